@@ -1,0 +1,1 @@
+"""sbpc.codegen_templates"""

@@ -1,0 +1,1 @@
+"""The sbpc compiler: capture, IR, passes and lowering to a physical plan."""

@@ -1,0 +1,1 @@
+"""sbpc.compiler.ir"""

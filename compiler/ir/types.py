@@ -1,0 +1,177 @@
+"""The logical IR: typed values, nodes and graphs.
+
+A ``Graph`` is SSA: every ``Value`` is defined once, by a graph input or by a node's result,
+before any use. Nodes hold ATen (or ``sbpc.*``) operators with positional and keyword
+arguments; an argument is a python literal, a ``Ref`` to a value, a ``DType`` or a ``Sym``
+(device, layout, memory format). Placement (``stage``) and nd-SBP live in typed fields that
+passes fill in; nothing is stuck onto nodes ad hoc.
+
+The graph also carries the ``init`` region: the recorded construction of the parameters and
+buffers (factories and in-place random fills), replayed by the runtime from a seed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.sbp import NdSbp
+
+DTYPES = {
+    "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
+    "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "bool": "bool",
+    "c64": "complex64",
+}
+DTYPE_BY_TORCH_NAME = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[int, ...]
+    dtype: str  # short name, a key of DTYPES
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+
+def dtype_size(dtype: str) -> int:
+    return {"f64": 8, "i64": 8, "c64": 8, "f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2}.get(dtype, 1)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A use of a value, by name."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # short name, a key of DTYPES
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A symbolic constant: ``device`` (filled in by the runtime), a layout or memory format."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"#{self.name}"
+
+
+class Role(enum.Enum):
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+    OPTIMIZER = "opt"
+    INIT = "init"
+
+
+class InputKind(enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    STATE = "state"  # optimizer state
+    BATCH = "batch"
+
+
+class OutputKind(enum.Enum):
+    LOSS = "loss"
+    GRAD = "grad"  # the gradient of a parameter, before the optimizer
+    UPDATE = "update"  # the new value of a param or optimizer state
+    INIT = "init"  # init region: the constructed value of a param or buffer
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    module: str  # module path such as "h.0.attn", "" for the root
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}"
+        return f"{self.module} @ {where}" if self.module else where
+
+
+@dataclass
+class Node:
+    outputs: list[str]  # result value names, possibly none (in-place init ops)
+    op: str  # "aten.mm.default", "sbpc.attention"
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    types: list[TensorType]  # one per output
+    role: Role
+    loc: SourceLoc | None = None
+    stage: int | None = None  # placement: the pipeline stage
+    sbp: list[NdSbp] | None = None  # one nd-SBP per output
+
+    def uses(self) -> Iterator[str]:
+        yield from _refs(self.args)
+        yield from _refs(tuple(self.kwargs.values()))
+
+
+def _refs(args: Any) -> Iterator[str]:
+    for a in args:
+        if isinstance(a, Ref):
+            yield a.name
+        elif isinstance(a, (list, tuple)):
+            yield from _refs(a)
+
+
+@dataclass
+class GraphInput:
+    kind: InputKind
+    value: str
+    type: TensorType
+    name: str  # param/buffer FQN, "exp_avg:h.0.attn.c_attn.weight", or "batch.0"
+    sbp: NdSbp | None = None
+
+
+@dataclass
+class GraphOutput:
+    kind: OutputKind
+    value: str
+    name: str  # the loss is named "loss"; others name the param, state or buffer
+
+
+@dataclass
+class Graph:
+    name: str
+    mesh: Mesh
+    inputs: list[GraphInput] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[GraphOutput] = field(default_factory=list)
+    init: list[Node] = field(default_factory=list)
+    init_outputs: list[GraphOutput] = field(default_factory=list)
+
+    def value_types(self) -> dict[str, TensorType]:
+        types = {i.value: i.type for i in self.inputs}
+        for n in self.nodes:
+            types.update(zip(n.outputs, n.types))
+        return types
+
+    def producers(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs}
+
+    def outputs_of(self, kind: OutputKind) -> list[GraphOutput]:
+        return [o for o in self.outputs if o.kind == kind]
+
+    def inputs_of(self, kind: InputKind) -> list[GraphInput]:
+        return [i for i in self.inputs if i.kind == kind]

@@ -1,0 +1,104 @@
+"""Device meshes: named axes, parsing of ``--mesh``, and the rank <-> coordinate map.
+
+"axis" is always a mesh axis; "dim" always a tensor dimension. Positional meshes follow the
+``d x m x p`` notation: ``4`` is dp=4, ``4x8`` is dp x tp, ``4x8x4`` is dp x tp x pp.
+Rank order puts pp outermost and tp innermost, so tp ranks are contiguous (inside a node).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sbpc.errors import UsageError
+
+POSITIONAL_AXES = ("dp", "tp", "pp")
+KNOWN_AXES = ("pp", "dp", "cp", "tp")  # rank order: outermost first
+_HINT = "write 4x8x4 (dp x tp x pp) or dp=2,tp=2,pp=2; axes: " + ", ".join(KNOWN_AXES)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """An n-D device grid; ``axes`` are (name, size) pairs in rank order, outermost first."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.axes]
+        for name, size in self.axes:
+            if name not in KNOWN_AXES:
+                raise UsageError(f"unknown mesh axis {name!r}", hint=_HINT)
+            if size < 1:
+                raise UsageError(f"mesh axis {name}={size} must be at least 1", hint=_HINT)
+        if len(set(names)) != len(names):
+            raise UsageError(f"mesh names an axis twice: {','.join(names)}", hint=_HINT)
+        order = [KNOWN_AXES.index(n) for n in names]
+        if order != sorted(order):
+            raise UsageError("mesh axes out of rank order", hint=f"order them {', '.join(KNOWN_AXES)}")
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def size(self, axis: str) -> int:
+        return dict(self.axes).get(axis, 1)
+
+    @property
+    def sbp_axes(self) -> tuple[str, ...]:
+        """Axes that carry an SBP entry: every axis but pp (pp is placement)."""
+        return tuple(n for n, _ in self.axes if n != "pp")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices")
+        out: dict[str, int] = {}
+        for name, size in reversed(self.axes):
+            out[name] = rank % size
+            rank //= size
+        return {n: out[n] for n, _ in self.axes}
+
+    def rank(self, coords: dict[str, int]) -> int:
+        r = 0
+        for name, size in self.axes:
+            r = r * size + coords.get(name, 0)
+        return r
+
+    def rank_map(self) -> list[tuple[int, dict[str, int]]]:
+        return [(r, self.coords(r)) for r in range(self.world_size)]
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in self.axes)
+
+
+def parse_mesh(text: str) -> Mesh:
+    """Parse ``4x8x4``, ``2``, or ``dp=2,tp=2,pp=2`` into a Mesh."""
+    text = text.strip()
+    if not text:
+        raise UsageError("empty --mesh", hint=_HINT)
+    if "=" in text:
+        pairs = []
+        for part in text.split(","):
+            name, _, size = part.partition("=")
+            pairs.append((name.strip(), _parse_size(size, text)))
+        _check_names([n for n, _ in pairs], text)
+        by_name = dict(pairs)
+        return Mesh(tuple((n, by_name[n]) for n in KNOWN_AXES if n in by_name))
+    sizes = [_parse_size(s, text) for s in text.lower().split("x")]
+    if len(sizes) > len(POSITIONAL_AXES):
+        raise UsageError(f"mesh {text!r} has {len(sizes)} axes, positional form takes at most 3", hint=_HINT)
+    named = dict(zip(POSITIONAL_AXES, sizes))
+    return Mesh(tuple((n, named[n]) for n in KNOWN_AXES if n in named))
+
+
+def _check_names(names: list[str], text: str) -> None:
+    for n in names:
+        if n not in KNOWN_AXES:
+            raise UsageError(f"unknown mesh axis {n!r} in {text!r}", hint=_HINT)
+    if len(set(names)) != len(names):
+        raise UsageError(f"mesh {text!r} names an axis twice", hint=_HINT)
+
+
+def _parse_size(token: str, text: str) -> int:
+    token = token.strip()
+    if not token.isdigit() or int(token) < 1:
+        raise UsageError(f"bad mesh size {token!r} in {text!r}", hint=_HINT)
+    return int(token)

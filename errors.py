@@ -1,0 +1,59 @@
+"""The one error hierarchy of sbpc.
+
+Every user-facing failure is an ``SbpcError``: it names the culprit, where it came from in
+the user's code when known, and a hint. The CLI prints ``str(err)`` on one line and exits 2.
+``runtime`` and ``compiler`` both import from here, so a cluster node needs only this file.
+"""
+from __future__ import annotations
+
+
+class SbpcError(Exception):
+    """Base of every error sbpc reports to a user."""
+
+    kind = "error"
+
+    def __init__(self, message: str, *, hint: str | None = None, location: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.location = location
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.location:
+            text += f" (at {self.location})"
+        if self.hint:
+            text += f"; hint: {self.hint}"
+        return " ".join(text.split())  # one line, always
+
+
+class UsageError(SbpcError):
+    """Bad command-line input: a flag, a --set value, a mesh string."""
+
+
+class ModelError(SbpcError):
+    """The model file cannot be loaded or does not follow the model contract."""
+
+
+class CaptureError(SbpcError):
+    """The model could not be traced into a graph."""
+
+
+class IRError(SbpcError):
+    """The IR failed verification or could not be parsed."""
+
+
+class CompileError(SbpcError):
+    """A pass could not produce a valid plan."""
+
+
+class PlanError(SbpcError):
+    """A plan file is missing, corrupt, or from another schema version."""
+
+
+class RuntimeFailure(SbpcError):
+    """Executing a plan failed; the message names the instruction and the user's line."""
+
+
+class CheckFailure(SbpcError):
+    """`sbpc check` found the plan and eager PyTorch disagree beyond the tolerance."""

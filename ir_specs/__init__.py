@@ -1,0 +1,1 @@
+"""sbpc.ir_specs"""
