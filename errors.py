@@ -57,3 +57,7 @@ class RuntimeFailure(SbpcError):
 
 class CheckFailure(SbpcError):
     """`sbpc check` found the plan and eager PyTorch disagree beyond the tolerance."""
+
+
+class WeightsError(SbpcError):
+    """A weights file is missing, unreadable, or does not match the plan's parameters."""

@@ -22,6 +22,7 @@ DTYPES = {
     "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
     "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "bool": "bool",
     "c64": "complex64",
+    "none": "none",  # an absent optional result of an op (e.g. an unneeded gradient)
 }
 DTYPE_BY_TORCH_NAME = {v: k for k, v in DTYPES.items()}
 

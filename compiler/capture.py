@@ -1,0 +1,141 @@
+"""Capture: trace a model file into the logical IR, with no weight allocated.
+
+The model is built and called inside one FakeTensorMode, so a 1T-parameter model traces on a
+laptop. ``make_fx`` records the joint forward + backward graph (autograd runs under the
+tracer); module hooks tag each op with its module path. The optimizer update is appended
+as graph ops, and the recorded init program becomes the graph's ``init`` region.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type
+from sbpc.compiler.init_record import InitRecorder
+from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind
+from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
+from sbpc.compiler.optim import OptimizerConfig, append_optimizer
+from sbpc.errors import CaptureError, ModelError, SbpcError
+
+
+def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig) -> Graph:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        recorder = InitRecorder()
+        with recorder:
+            model = _build(source)
+        batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        buffers = frozen + list(model.named_buffers())
+        gm = _trace_joint(model, source, params, buffers, batch)
+        init_nodes, init_outputs = recorder.to_init_region(params + buffers)
+    imported = import_fx(gm)
+    ph = iter(imported.placeholders)
+    names = imported.names
+    inputs = [GraphInput(InputKind.PARAM, names[next(ph)], tensor_type(p), n) for n, p in params]
+    inputs += [GraphInput(InputKind.BUFFER, names[next(ph)], tensor_type(b), n) for n, b in buffers]
+    inputs += [GraphInput(InputKind.BATCH, names[next(ph)], tensor_type(b), f"batch.{i}") for i, b in enumerate(batch)]
+    loss, *grads = imported.outputs
+    outputs = [GraphOutput(OutputKind.LOSS, names[loss], "loss")]
+    for (fqn, _), g in zip(params, grads):
+        if g is None:
+            raise ModelError(f"parameter {fqn!r} does not receive a gradient from the loss",
+                             hint="remove it, or freeze it with requires_grad_(False)")
+        outputs.append(GraphOutput(OutputKind.GRAD, names[g], fqn))
+    nodes = imported.nodes
+    grad_of = {o.name: o.value for o in outputs if o.kind == OutputKind.GRAD}
+    plist = [(i.name, i.value, i.type, grad_of[i.name]) for i in inputs if i.kind == InputKind.PARAM]
+    append_optimizer(optimizer, plist, inputs, nodes, outputs)
+    name = os.path.splitext(os.path.basename(source.path))[0].replace("-", "_").replace(".", "_")
+    return Graph(name=name if name.isidentifier() else "model", mesh=mesh, inputs=inputs, nodes=nodes,
+                 outputs=outputs, init=init_nodes, init_outputs=init_outputs)
+
+
+def _build(source: ModelSource) -> torch.nn.Module:
+    try:
+        model = source.build()
+    except SbpcError:
+        raise
+    except Exception as err:
+        raise ModelError(f"build_model() failed: {type(err).__name__}: {err}", location=user_location(err, source.path),
+                         hint="build_model must run under plain PyTorch; it is called with fake tensors") from err
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(f"build_model() in {source.path} returned {type(model).__name__}, not an nn.Module", hint=CONTRACT_HINT)
+    return model.train()
+
+
+def _trace_joint(model, source: ModelSource, params, buffers, batch) -> torch.fx.GraphModule:
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    forward_loc = _forward_location(model)
+
+    def joint(param_vals, buffer_vals, batch_vals):
+        state = dict(zip(names, list(param_vals) + list(buffer_vals)))
+        loss = torch.func.functional_call(model, state, tuple(batch_vals))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=forward_loc,
+                             hint="reduce the loss to a 0-dim tensor, e.g. with .mean()")
+        # Makes autograd tag backward nodes with the seq_nr of their forward op.
+        setup_stacktrace_preservation_hooks([loss.grad_fn])
+        return [loss, *torch.autograd.grad(loss, list(param_vals), allow_unused=True)]
+
+    with _module_paths(model), fx_traceback.preserve_node_meta():
+        try:
+            return make_fx(joint, tracing_mode="real", record_stack_traces=True)(
+                [p for _, p in params], [b for _, b in buffers], list(batch))
+        except SbpcError:
+            raise
+        except Exception as err:
+            raise _capture_error(err, source) from err
+
+
+def _capture_error(err: Exception, source: ModelSource) -> CaptureError:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    data_dependent = "data-dependent" in str(err).lower() or "DataDependent" in type(err).__name__
+    hint = ("control flow that depends on tensor values cannot be traced; use torch.where or move the decision "
+            "out of forward()" if data_dependent else "forward() must be traceable by torch.fx / make_fx with fake tensors")
+    what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
+    return CaptureError(f"cannot trace forward(): {what}", location=user_location(err, source.path), hint=hint)
+
+
+def _forward_location(model: torch.nn.Module) -> str | None:
+    try:
+        fn = type(model).forward
+        return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def _module_paths(model: torch.nn.Module):
+    """Tag every traced op with the path of the module that ran it."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    stack: list[contextlib.ExitStack] = []
+
+    def pre(module, args):
+        if id(module) in paths:
+            es = contextlib.ExitStack()
+            es.enter_context(fx_traceback.annotate({MODULE_KEY: paths[id(module)]}))
+            stack.append((module, es))
+
+    def post(module, args, out):
+        if stack and stack[-1][0] is module:
+            stack.pop()[1].close()
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+               torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while stack:
+            stack.pop()[1].close()

@@ -1,0 +1,111 @@
+"""`sbpc check`: run the plan and eager PyTorch from the same seed and compare them.
+
+Per step it compares the loss, every gradient and every updated parameter. The deviation of a
+tensor is ``max|plan - eager| / max|eager|`` (denominator floored at 1e-12); the check passes
+when the largest deviation over all steps and tensors is within the tolerance. Before the
+first step it also compares the plan's replayed init with eager ``torch.manual_seed(seed);
+build_model()``, which must agree bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sbpc.compiler.model_loader import ModelSource
+from sbpc.compiler.optim import OptimizerConfig
+from sbpc.runtime.plan import Plan
+from sbpc.runtime.runner import BatchSource, Runner
+
+
+@dataclass
+class Deviation:
+    value: float = 0.0
+    tensor: str = ""
+
+    def update(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        d = rel_dev(a, b)
+        if d > self.value or not self.tensor:
+            self.value, self.tensor = d, name
+
+
+@dataclass
+class StepRow:
+    step: str
+    loss_plan: float | None
+    loss_eager: float | None
+    loss: Deviation
+    grads: Deviation
+    params: Deviation
+
+
+@dataclass
+class CheckReport:
+    rows: list[StepRow] = field(default_factory=list)
+    tolerance: float = 1e-5
+
+    @property
+    def worst(self) -> tuple[float, str]:
+        best = (0.0, "")
+        for r in self.rows:
+            for kind, d in (("loss", r.loss), ("grad", r.grads), ("param", r.params)):
+                if d.value >= best[0] and d.tensor:
+                    best = (d.value, f"step {r.step}, {kind} {d.tensor}")
+        return best
+
+    @property
+    def passed(self) -> bool:
+        return self.worst[0] <= self.tolerance
+
+    def table(self) -> str:
+        lines = [f"{'step':>5}  {'loss (plan)':>13}  {'loss (eager)':>13}  {'loss dev':>9}  {'max grad dev':>12}  "
+                 f"{'max param dev':>13}  worst tensor"]
+        for r in self.rows:
+            fmt = lambda x: f"{x:13.8f}" if x is not None else f"{'-':>13}"
+            worst = max((r.grads, r.params), key=lambda d: d.value)
+            lines.append(f"{r.step:>5}  {fmt(r.loss_plan)}  {fmt(r.loss_eager)}  {r.loss.value:9.2e}  "
+                         f"{r.grads.value:12.2e}  {r.params.value:13.2e}  {worst.tensor}")
+        value, where = self.worst
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(f"largest deviation {value:.2e} ({where}); tolerance {self.tolerance:.0e}: {verdict}")
+        return "\n".join(lines)
+
+
+def rel_dev(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-12)) if b.numel() else 0.0
+
+
+def run_check(plan: Plan, source: ModelSource, runner: Runner, optimizer: OptimizerConfig, *,
+              steps: int, seed: int, tolerance: float) -> CheckReport:
+    report = CheckReport(tolerance=tolerance)
+    torch.manual_seed(seed)
+    model = source.build().train()
+    init = Deviation()
+    eager_state = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in runner.weights().items():
+        init.update(name, t, eager_state[name])
+    report.rows.append(StepRow("init", None, None, Deviation(), Deviation(), init))
+    with torch.no_grad():
+        for name, t in runner.weights().items():
+            eager_state[name].copy_(t)
+    opt = optimizer.torch_optimizer([p for p in model.parameters() if p.requires_grad])
+    batches = BatchSource(plan, seed)
+    for step in range(steps):
+        batch = batches(step)
+        result = runner.step(batch, keep_grads=True)
+        opt.zero_grad(set_to_none=True)
+        loss = model(*batch)
+        loss.backward()
+        row = StepRow(str(step), result.loss, float(loss), Deviation(), Deviation(), Deviation())
+        row.loss.update("loss", torch.tensor(result.loss), loss.detach())
+        named = dict(model.named_parameters())
+        for name, g in result.grads.items():
+            row.grads.update(name, g, named[name].grad)
+        opt.step()
+        for name, p in runner.params.items():
+            row.params.update(name, p, named[name])
+        report.rows.append(row)
+    return report

@@ -1,0 +1,37 @@
+"""The compile driver: model file -> capture -> passes -> physical plan."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sbpc.compiler.capture import capture
+from sbpc.compiler.ir.types import Graph
+from sbpc.compiler.lower import lower
+from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.model_loader import ModelSource
+from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.pass_manager import CompileContext, PassManager
+from sbpc.compiler.passes import default_pipeline
+from sbpc.runtime.plan import ModelRef, Plan
+
+
+@dataclass
+class CompileResult:
+    plan: Plan
+    graph: Graph  # the IR after the last pass
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer: OptimizerConfig,
+                  ctx: CompileContext | None = None, passes=None) -> CompileResult:
+    ctx = ctx or CompileContext()
+    timings = {}
+    t0 = time.perf_counter()
+    graph = capture(source, mesh, batch_size, optimizer)
+    timings["capture"] = time.perf_counter() - t0
+    graph = PassManager(passes if passes is not None else default_pipeline(), ctx).run(graph)
+    timings["passes"] = time.perf_counter() - t0 - timings["capture"]
+    model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
+    plan = lower(graph, model, optimizer, ctx.estimates)
+    timings["total"] = time.perf_counter() - t0
+    return CompileResult(plan=plan, graph=graph, timings=timings)

@@ -1,0 +1,145 @@
+"""Translate a traced torch.fx joint graph into the sbpc logical IR.
+
+fx models a multi-result op as one node plus ``getitem`` nodes; the IR gives the op several
+named results instead. Devices become ``#device`` so a plan runs on any backend. Every node
+keeps its module path and the user's file:line; a backward node inherits both from the
+forward op it differentiates (same autograd ``seq_nr``).
+"""
+from __future__ import annotations
+
+import operator
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Node, Ref, Role, SourceLoc, Sym, TensorType
+from sbpc.compiler.model_loader import display_path
+from sbpc.errors import CaptureError
+
+MODULE_KEY = "sbpc_module"
+MAX_CONSTANT_NUMEL = 4096
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SBPC_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("compiler", "runtime"))
+
+
+def tensor_type(t: torch.Tensor) -> TensorType:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPE_BY_TORCH_NAME:
+        raise CaptureError(f"tensors of dtype {t.dtype} are not supported yet")
+    return TensorType(tuple(int(s) for s in t.shape), DTYPE_BY_TORCH_NAME[name])
+
+
+def convert_arg(a: Any, names: dict[torch.fx.Node, str] | None) -> Any:
+    """A python/torch argument as an IR argument."""
+    if isinstance(a, torch.fx.Node):
+        return Ref(names[a])
+    if isinstance(a, (list, tuple)):
+        return [convert_arg(x, names) for x in a]
+    if isinstance(a, torch.dtype):
+        return DType(DTYPE_BY_TORCH_NAME[str(a).removeprefix("torch.")])
+    if isinstance(a, torch.device):
+        return Sym("device")
+    if isinstance(a, (torch.layout, torch.memory_format)):
+        return Sym(str(a).removeprefix("torch."))
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise CaptureError(f"argument {a!r} of type {type(a).__name__} cannot be put in a plan")
+
+
+@dataclass
+class ImportedGraph:
+    nodes: list[Node]
+    names: dict[torch.fx.Node, str]  # fx node (or getitem) -> IR value name
+    placeholders: list[torch.fx.Node]
+    outputs: list[Any]  # the fx output node's flat args
+
+
+def import_fx(gm: torch.fx.GraphModule) -> ImportedGraph:
+    names: dict[torch.fx.Node, str] = {}
+    locs = _forward_locations(gm)
+    nodes: list[Node] = []
+    placeholders = []
+    outputs: list[Any] = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            names[n] = n.name
+            placeholders.append(n)
+        elif n.op == "output":
+            outputs = list(torch.utils._pytree.tree_flatten(n.args[0])[0])
+        elif n.op == "call_function" and n.target is operator.getitem:
+            continue  # named when its producer is imported
+        elif n.op == "call_function":
+            nodes.append(_import_node(n, names, locs))
+        elif n.op == "get_attr":
+            nodes.append(_import_constant(n, getattr(gm, n.target), names))
+        else:
+            raise CaptureError(f"unexpected fx node {n.op} {n.name}")
+    return ImportedGraph(nodes, names, placeholders, outputs)
+
+
+def _import_node(n: torch.fx.Node, names: dict, locs: dict) -> Node:
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        picks = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        outs = []
+        for i, _ in enumerate(val):
+            user = picks.get(i)
+            name = user.name if user is not None else f"{n.name}_r{i}"
+            if user is not None:
+                names[user] = name
+            outs.append(name)
+        types = [tensor_type(v) if isinstance(v, torch.Tensor) else TensorType((), "none") for v in val]
+    else:
+        names[n] = n.name
+        outs, types = [n.name], [tensor_type(val)]
+    role = Role.BACKWARD if n.meta.get("autograd_backward") else Role.FORWARD
+    return Node(outputs=outs, op=str(n.target), args=tuple(convert_arg(a, names) for a in n.args),
+                kwargs={k: convert_arg(v, names) for k, v in n.kwargs.items()}, types=types, role=role,
+                loc=locs.get(n.meta.get("seq_nr")) or _location(n))
+
+
+def _import_constant(n: torch.fx.Node, value: torch.Tensor, names: dict) -> Node:
+    """A tensor literal created inside forward(); small ones travel in the plan."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor) or value.numel() > MAX_CONSTANT_NUMEL:
+        raise CaptureError(f"forward() creates a tensor constant of shape {list(value.shape)} that sbpc cannot embed",
+                           location=str(_location(n) or "") or None,
+                           hint=f"register it as a buffer, or keep constants under {MAX_CONSTANT_NUMEL} elements")
+    names[n] = n.name
+    ttype = tensor_type(value)
+    return Node([n.name], "sbpc.constant", (value.flatten().tolist(), list(value.shape)),
+                {"dtype": DType(ttype.dtype)}, [ttype], Role.FORWARD, loc=_location(n))
+
+
+def _forward_locations(gm: torch.fx.GraphModule) -> dict[str, SourceLoc]:
+    """seq_nr -> location of the forward op; backward ops look theirs up here."""
+    out: dict[str, SourceLoc] = {}
+    for n in gm.graph.nodes:
+        seq = n.meta.get("seq_nr")
+        if n.op == "call_function" and not n.meta.get("autograd_backward") and seq not in (None, "-1", -1):
+            loc = _location(n)
+            if loc is not None:
+                out.setdefault(seq, loc)
+    return out
+
+
+def _location(n: torch.fx.Node) -> SourceLoc | None:
+    module = (n.meta.get("custom") or {}).get(MODULE_KEY, "")
+    frames = _FRAME_RE.findall(n.meta.get("stack_trace") or "")
+    user = [(f, int(line)) for f, line in frames if _is_user_file(f)]
+    if not user:
+        return SourceLoc(module, "?", 0) if module else None
+    file, line = user[-1]
+    return SourceLoc(module, display_path(file), line)
+
+
+def _is_user_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not path.startswith(_LIBRARY_DIRS) and not path.startswith(_SBPC_DIRS) and not filename.startswith("<")

@@ -1,0 +1,116 @@
+"""Record how a model builds its parameters and buffers, so the runtime can replay it.
+
+While ``build_model()`` runs under FakeTensorMode, this dispatch mode records every ATen op:
+factories (``empty``, ``arange``), in-place fills (``normal_``, ``uniform_``, ``fill_``) and
+the math that builds buffers such as causal masks. The runtime replays the recording with a
+generator seeded from the run's seed. Replaying with seed ``s`` gives bit for bit the weights
+of ``torch.manual_seed(s); build_model()``, because the random ops run in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sbpc.compiler.fx_import import convert_arg, tensor_type
+from sbpc.compiler.ir.types import GraphOutput, Node, OutputKind, Ref, Role
+from sbpc.errors import CaptureError
+
+
+@dataclass
+class _Recorded:
+    op: str
+    args: tuple
+    kwargs: dict
+    outputs: list[str]
+    out_tensors: list[torch.Tensor]
+    arg_tensors: list[torch.Tensor]
+    mutates: bool
+    random: bool
+
+
+class InitRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Recorded] = []
+        self.names: dict[int, str] = {}
+        self.keep: list[torch.Tensor] = []  # holds tensors alive so their id() is never reused
+
+    def _name(self, t: torch.Tensor) -> str:
+        key = id(t)
+        if key not in self.names:
+            self.names[key] = f"i{len(self.names)}"
+            self.keep.append(t)
+        return self.names[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_out, _ = tree_flatten(out)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        mutates = func._schema.is_mutable
+        ins = {id(t) for t in flat_in}
+        fresh = [t for t in flat_out if isinstance(t, torch.Tensor) and id(t) not in ins]
+        conv = lambda a: Ref(self._name(a)) if isinstance(a, torch.Tensor) else convert_arg(a, None)
+        rec_args = tuple(_map(conv, a) for a in args)
+        rec_kwargs = {k: _map(conv, v) for k, v in kwargs.items()}
+        random = any(a.name == "generator" for a in func._schema.arguments)
+        self.ops.append(_Recorded(str(func), rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
+                                  mutates, random))
+        return out
+
+    def to_init_region(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[Node], list[GraphOutput]]:
+        """Nodes that build ``named`` tensors (params and buffers), dead ops removed."""
+        outputs = [GraphOutput(OutputKind.INIT, self._find(name, t), name) for name, t in named]
+        needed = {_storage(t) for _, t in named}
+        kept: list[_Recorded] = []
+        for rec in reversed(self.ops):
+            writes = {_storage(t) for t in rec.out_tensors}
+            if rec.mutates:
+                writes |= {_storage(t) for t in rec.arg_tensors}
+            # Random ops stay even when unused: dropping one would shift the RNG stream.
+            if writes & needed or rec.random:
+                kept.append(rec)
+                needed |= {_storage(t) for t in rec.arg_tensors}
+        kept.reverse()
+        defined = {o for rec in kept for o in rec.outputs}
+        nodes = []
+        for rec in kept:
+            for ref in _refs(rec.args, rec.kwargs):
+                if ref not in defined:
+                    raise CaptureError(f"the init of the model uses a tensor sbpc did not see created ({rec.op})",
+                                       hint="create parameters with torch factories and init functions, or load weights with --weights")
+            nodes.append(Node(outputs=rec.outputs, op=rec.op, args=rec.args, kwargs=rec.kwargs,
+                              types=[tensor_type(t) for t in rec.out_tensors], role=Role.INIT))
+        return nodes, outputs
+
+    def _find(self, name: str, t: torch.Tensor) -> str:
+        for rec in self.ops:
+            for value, out in zip(rec.outputs, rec.out_tensors):
+                if _same_view(out, t):
+                    return value
+        raise CaptureError(f"cannot tell how {name!r} was built: it is a view into a larger tensor",
+                           hint="make each parameter its own tensor, or load weights with --weights")
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (_storage(a) == _storage(b) and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
+
+
+def _map(fn, a):
+    if isinstance(a, (list, tuple)):
+        return [_map(fn, x) for x in a]
+    return fn(a)
+
+
+def _refs(args, kwargs):
+    for a in tree_flatten((list(args), kwargs))[0]:
+        if isinstance(a, Ref):
+            yield a.name

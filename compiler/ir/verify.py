@@ -1,0 +1,93 @@
+"""The IR verifier. It runs after every pass; a pass that breaks an invariant is caught here.
+
+Invariants: SSA (one definition per value, defined before use), one type per result, exactly
+one loss, gradients and updates name real params/states, no mutation outside the init region,
+placement all-or-nothing, and each nd-SBP has one entry per non-pp mesh axis with split dims
+inside the tensor's rank.
+"""
+from __future__ import annotations
+
+from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind
+from sbpc.compiler.sbp import Split
+from sbpc.errors import IRError
+
+
+def verify(graph: Graph, after: str = "") -> None:
+    where = f" after pass {after!r}" if after else ""
+    _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False)
+    _verify_region(graph.init, set(), where, allow_mutation=True)
+    defined = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
+    for out in graph.outputs:
+        if out.value not in defined:
+            raise IRError(f"graph output {out.kind.value} {out.name!r} uses undefined value %{out.value}{where}")
+    init_defined = {o for n in graph.init for o in n.outputs}
+    for out in graph.init_outputs:
+        if out.value not in init_defined:
+            raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
+    _verify_signature(graph, where)
+    _verify_annotations(graph, where)
+
+
+def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutation: bool) -> None:
+    defined = set(defined)
+    for n in nodes:
+        for use in n.uses():
+            if use not in defined:
+                raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
+        if len(n.types) != len(n.outputs):
+            raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
+        if not allow_mutation and _mutates(n.op):
+            raise IRError(f"{n.op} mutates a tensor in place, which a plan cannot express{where}", location=_loc(n),
+                          hint="write the update out of place (x = x + y instead of x += y)")
+        for o in n.outputs:
+            if o in defined:
+                raise IRError(f"value %{o} is defined twice{where}", location=_loc(n))
+            defined.add(o)
+
+
+def _verify_signature(graph: Graph, where: str) -> None:
+    losses = graph.outputs_of(OutputKind.LOSS)
+    if len(losses) != 1:
+        raise IRError(f"graph has {len(losses)} loss outputs, expected exactly one{where}")
+    params = {i.name for i in graph.inputs_of(InputKind.PARAM)}
+    states = {i.name for i in graph.inputs_of(InputKind.STATE)}
+    for out in graph.outputs_of(OutputKind.GRAD):
+        if out.name not in params:
+            raise IRError(f"gradient output names {out.name!r}, which is not a parameter{where}")
+    for out in graph.outputs_of(OutputKind.UPDATE):
+        if out.name not in params | states:
+            raise IRError(f"update output names {out.name!r}, which is neither a parameter nor optimizer state{where}")
+    if graph.init_outputs:
+        needed = params | {i.name for i in graph.inputs_of(InputKind.BUFFER)}
+        missing = needed - {o.name for o in graph.init_outputs}
+        if missing:
+            raise IRError(f"init region does not build {sorted(missing)[:3]}{where}")
+
+
+def _verify_annotations(graph: Graph, where: str) -> None:
+    placed = [n.stage is not None for n in graph.nodes]
+    if any(placed) and not all(placed):
+        n = graph.nodes[placed.index(False)]
+        raise IRError(f"{n.op} has no stage while other ops do{where}", location=_loc(n))
+    naxes = len(graph.mesh.sbp_axes)
+    for n in graph.nodes:
+        if n.sbp is None:
+            continue
+        if len(n.sbp) != len(n.outputs):
+            raise IRError(f"{n.op} has {len(n.sbp)} nd-SBPs for {len(n.outputs)} results{where}", location=_loc(n))
+        for nd, t in zip(n.sbp, n.types):
+            if len(nd) != naxes:
+                raise IRError(f"{n.op} has an nd-SBP of {len(nd)} entries on a mesh with {naxes} SBP axes{where}",
+                              location=_loc(n))
+            for s in nd:
+                if isinstance(s, Split) and not 0 <= s.dim < len(t.shape):
+                    raise IRError(f"{n.op} splits dim {s.dim} of a rank-{len(t.shape)} tensor{where}", location=_loc(n))
+
+
+def _mutates(op: str) -> bool:
+    parts = op.split(".")
+    return len(parts) >= 2 and parts[1].endswith("_") and not parts[1].startswith("_")
+
+
+def _loc(n: Node) -> str | None:
+    return str(n.loc) if n.loc else None

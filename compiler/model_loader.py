@@ -1,0 +1,125 @@
+"""Load a user's model file and check it follows the model contract.
+
+A model file is plain PyTorch. It defines ``build_model(**kw)`` (a module whose
+``forward(*batch)`` returns the scalar loss) and ``example_batch(batch_size, **kw)``.
+``--set key=value`` reaches both as keyword arguments.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+from sbpc.errors import ModelError, UsageError
+
+CONTRACT_HINT = "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) -> tuple of tensors"
+
+
+@dataclass
+class ModelSource:
+    """A loaded model file plus the --set values that configure it."""
+
+    path: str
+    module: ModuleType
+    sets: dict[str, Any] = field(default_factory=dict)
+
+    def build(self):
+        return call_user(self.module.build_model, self.path, **self.sets)
+
+    def batch(self, batch_size: int) -> tuple:
+        batch = call_user(self.module.example_batch, self.path, batch_size, **self.sets)
+        return check_batch(batch, self)
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    """``["layers=4", "preset=tiny"]`` -> ``{"layers": 4, "preset": "tiny"}``."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise UsageError(f"bad --set {item!r}", hint="write --set key=value, for example --set layers=4")
+        out[key] = _parse_value(raw.strip())
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw  # a bare word such as a preset name
+    return value if isinstance(value, (int, float, str, tuple, list)) else raw
+
+
+def load_model(path: str, sets: dict[str, Any] | None = None) -> ModelSource:
+    if not os.path.isfile(path):
+        raise ModelError(f"model file {path!r} does not exist", hint="pass the path of a .py file that defines build_model")
+    name = "_sbpc_model_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelError(f"cannot import model file {path!r}", hint="the model file must be a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise ModelError(f"syntax error in model file: {err.msg}", location=f"{path}:{err.lineno}",
+                         hint="fix the Python syntax") from err
+    except Exception as err:
+        raise ModelError(f"importing {path} failed: {type(err).__name__}: {err}",
+                         location=user_location(err, path), hint="the model file must import cleanly with plain PyTorch") from err
+    for fn in ("build_model", "example_batch"):
+        if not callable(getattr(module, fn, None)):
+            raise ModelError(f"model file {path} has no function {fn}()", hint=CONTRACT_HINT)
+    return ModelSource(path=path, module=module, sets=dict(sets or {}))
+
+
+def call_user(fn: Callable, path: str, *args, **kwargs):
+    """Call a model-file function; turn a bad --set key into a clear error."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as err:
+        raise UsageError(f"{fn.__name__}() in {path} does not accept these --set values: {err}",
+                         hint=f"--set keys must be keyword arguments of {fn.__name__}") from err
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, KeyError) as err:
+        raise UsageError(f"{fn.__name__}() rejected the --set values: {err}", location=user_location(err, path),
+                         hint="check the --set keys and values the model file accepts") from err
+
+
+def check_batch(batch: Any, source: ModelSource) -> tuple:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if not isinstance(batch, (tuple, list)) or not all(isinstance(b, torch.Tensor) for b in batch):
+        raise ModelError(f"example_batch() in {source.path} must return a tensor or a tuple of tensors, got {type(batch).__name__}",
+                         hint=CONTRACT_HINT)
+    return tuple(batch)
+
+
+def user_location(err: BaseException, path: str) -> str | None:
+    """The innermost frame of ``err`` in the user's model file, as ``file:line``."""
+    target = os.path.abspath(path)
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if os.path.abspath(frame.filename) == target:
+            found = f"{display_path(frame.filename)}:{frame.lineno}"
+    return found
+
+
+def display_path(filename: str) -> str:
+    rel = os.path.relpath(filename)
+    return filename if rel.startswith("..") else rel

@@ -1,0 +1,123 @@
+"""Optimizers as graph ops: each parameter's update is part of the compiled program.
+
+The update rule is written once as a functional PyTorch function, traced to ATen ops once,
+and stamped out per parameter. Later, ZeRO shards the state inputs with SBP like any tensor.
+The math follows torch.optim's single-tensor AdamW and SGD so that ``sbpc check`` can
+compare against them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from sbpc.compiler.fx_import import import_fx
+from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, TensorType
+from sbpc.errors import CompileError
+
+_TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    kind: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.0
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        if self.kind == "adamw":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def torch_optimizer(self, params):
+        """The eager torch.optim equivalent, for `sbpc check`."""
+        if self.kind == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                     weight_decay=self.weight_decay, foreach=False)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay, foreach=False)
+
+
+def _adamw(cfg: OptimizerConfig):
+    b1, b2 = cfg.betas
+
+    def update(param, grad, exp_avg, exp_avg_sq, step):
+        # Bias corrections in float64, as torch computes them in Python: 1 - 0.999**t
+        # cancels badly in float32.
+        param = param * (1 - cfg.lr * cfg.weight_decay)
+        exp_avg = torch.lerp(exp_avg, grad, 1 - b1)
+        exp_avg_sq = torch.addcmul(exp_avg_sq * b2, grad, grad, value=1 - b2)
+        step_size = cfg.lr / (1 - torch.pow(b1, step))
+        denom = exp_avg_sq.sqrt() / torch.sqrt(1 - torch.pow(b2, step)) + cfg.eps
+        # (value * t1) / t2 + self: the order of torch's addcdiv kernel, so rounding matches.
+        return param + (-step_size * exp_avg) / denom, exp_avg, exp_avg_sq
+
+    return update
+
+
+def _sgd(cfg: OptimizerConfig):
+    def update(param, grad, *state_and_step):
+        d_p = grad + cfg.weight_decay * param if cfg.weight_decay else grad
+        if not cfg.momentum:
+            return (param - cfg.lr * d_p,)
+        buf = state_and_step[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
+        return param - cfg.lr * buf, buf
+
+    return update
+
+
+def _template(cfg: OptimizerConfig):
+    update = _adamw(cfg) if cfg.kind == "adamw" else _sgd(cfg)
+    shape = _TEMPLATE_SHAPE
+    example = [torch.zeros(shape) for _ in range(2 + len(cfg.state_names))] + [torch.zeros((), dtype=torch.float64)]
+    gm = make_fx(lambda *a: update(*a))(*example)
+    return import_fx(gm)
+
+
+def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorType, str]],
+                     inputs: list[GraphInput], nodes: list[Node], outputs: list[GraphOutput]) -> None:
+    """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad)`` params."""
+    tpl = _template(cfg)
+    step_in, step_out = "opt_step", "opt_step_next"
+    step_type = TensorType((), "f64")
+    inputs.append(GraphInput(InputKind.STATE, step_in, step_type, "step"))
+    nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
+    outputs.append(GraphOutput(OutputKind.UPDATE, step_out, "step"))
+    for i, (fqn, value, ttype, grad) in enumerate(params):
+        states = [(f"{s}_{i}", f"{s}:{fqn}") for s in cfg.state_names]
+        for sval, sname in states:
+            inputs.append(GraphInput(InputKind.STATE, sval, ttype, sname))
+        rename = dict(zip((tpl.names[p] for p in tpl.placeholders), [value, grad, *(s for s, _ in states), step_out]))
+        for n in tpl.nodes:
+            rename.update({o: f"opt{i}_{o}" for o in n.outputs})
+            nodes.append(Node([rename[o] for o in n.outputs], n.op, _rename(n.args, rename), _rename(n.kwargs, rename),
+                              [_retype(t, ttype) for t in n.types], Role.OPTIMIZER))
+        results = [rename[tpl.names[o]] for o in tpl.outputs]
+        outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
+        outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))
+
+
+def _retype(t: TensorType, param: TensorType) -> TensorType:
+    if t.shape == _TEMPLATE_SHAPE:
+        return TensorType(param.shape, t.dtype)
+    if t.shape == ():
+        return t
+    raise CompileError(f"optimizer template produced an unexpected shape {t.shape}")
+
+
+def _rename(a, rename: dict[str, str]):
+    if isinstance(a, Ref):
+        return Ref(rename[a.name])
+    if isinstance(a, dict):
+        return {k: _rename(v, rename) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        if list(a) == list(_TEMPLATE_SHAPE):
+            raise CompileError("optimizer template has a shape literal; it cannot be stamped per parameter")
+        return type(a)(_rename(x, rename) for x in a)
+    return a

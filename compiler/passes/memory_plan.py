@@ -1,0 +1,53 @@
+"""memory-plan: liveness of every value and a per-device memory estimate.
+
+The lowering frees each value right after its last use; this pass computes the same
+liveness to estimate the peak of live activations, and records the sizes of params,
+gradients and optimizer state in the context's estimates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
+
+
+def last_uses(graph: Graph) -> dict[int, list[str]]:
+    """Node index -> values that die right after it (graph outputs never die)."""
+    keep = {o.value for o in graph.outputs} | {i.value for i in graph.inputs}
+    last: dict[str, int] = {}
+    for idx, n in enumerate(graph.nodes):
+        for v in n.uses():
+            last[v] = idx
+        for o in n.outputs:
+            last.setdefault(o, idx)  # a result nobody reads dies where it is born
+    out: dict[int, list[str]] = {}
+    for v, idx in last.items():
+        if v not in keep:
+            out.setdefault(idx, []).append(v)
+    for vals in out.values():
+        vals.sort()
+    return out
+
+
+@dataclass
+class MemoryPlan:
+    name: str = "memory-plan"
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        types = graph.value_types()
+        dies = last_uses(graph)
+        live = peak = 0
+        for idx, n in enumerate(graph.nodes):
+            live += sum(t.nbytes for t in n.types)
+            peak = max(peak, live)
+            live -= sum(types[v].nbytes for v in dies.get(idx, ()) if v in types)
+        params = graph.inputs_of(InputKind.PARAM)
+        ctx.estimates.update(
+            param_count=sum(p.type.numel for p in params),
+            param_bytes=sum(p.type.nbytes for p in params),
+            grad_bytes=sum(types[o.value].nbytes for o in graph.outputs_of(OutputKind.GRAD)),
+            optimizer_state_bytes=sum(s.type.nbytes for s in graph.inputs_of(InputKind.STATE)),
+            peak_activation_bytes=peak,
+            instructions=len(graph.nodes),
+        )
+        return graph

@@ -1,0 +1,62 @@
+"""normalize: make the captured graph device-neutral and drop autograd bookkeeping.
+
+- The CPU capture yields ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward); they
+  become ``sbpc.attention`` / ``sbpc.attention_backward``, which each backend maps to its own
+  kernel (flash-for-cpu on cpu; flash or memory-efficient on cuda).
+- ``detach`` and ``alias`` are identities once autograd is gone: uses are rewired to the input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import Graph, Node, Ref
+
+# (captured op, neutral op, positional parameter names after the tensors' defaults)
+_ATTENTION = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": ("sbpc.attention", 3),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": ("sbpc.attention_backward", 6),
+}
+_IDENTITY = {"aten.detach.default", "aten.alias.default"}
+
+
+@dataclass
+class Normalize:
+    name: str = "normalize"
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        rename: dict[str, str] = {}
+        nodes: list[Node] = []
+        for n in graph.nodes:
+            n = _rewire(n, rename)
+            if n.op in _IDENTITY:
+                src = n.args[0]
+                rename[n.outputs[0]] = src.name
+                continue
+            if n.op in _ATTENTION:
+                n = _neutral_attention(n)
+            nodes.append(n)
+        outputs = [replace(o, value=rename.get(o.value, o.value)) for o in graph.outputs]
+        return replace(graph, nodes=nodes, outputs=outputs)
+
+
+def _neutral_attention(n: Node) -> Node:
+    op, ntensors = _ATTENTION[n.op]
+    args = list(n.args) + [None] * (ntensors + 2 - len(n.args))
+    dropout_p = args[ntensors] if args[ntensors] is not None else 0.0
+    is_causal = bool(args[ntensors + 1])
+    kwargs = {"attn_mask": n.kwargs.get("attn_mask"), "scale": n.kwargs.get("scale")}
+    return replace(n, op=op, args=tuple(args[:ntensors]) + (dropout_p, is_causal), kwargs=kwargs)
+
+
+def _rewire(n: Node, rename: dict[str, str]) -> Node:
+    if not rename:
+        return n
+    return replace(n, args=tuple(_sub(a, rename) for a in n.args), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
+
+
+def _sub(a, rename):
+    if isinstance(a, Ref):
+        return Ref(rename.get(a.name, a.name))
+    if isinstance(a, list):
+        return [_sub(x, rename) for x in a]
+    return a

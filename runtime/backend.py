@@ -1,0 +1,82 @@
+"""The backend interface: kernels plus a communicator.
+
+The executor only talks to a ``Backend``: it asks for the kernel of an op name and for the
+communicator of the run. ``cpu`` is torch CPU + gloo; ``cuda`` (torch CUDA kernels + NCCL via
+CuPy) plugs in by implementing the same two pieces, without touching the executor.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from sbpc.errors import PlanError, UsageError
+
+
+class Communicator(ABC):
+    """Collectives over the process groups of mesh axes. One instance per rank."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...], op: str = "sum") -> torch.Tensor: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+
+class LocalCommunicator(Communicator):
+    """The communicator of a one-device mesh: every group is this rank alone."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, t, group, op="sum"):
+        if tuple(group) != (0,):
+            raise PlanError(f"a one-process run cannot reduce over ranks {group}")
+        return t
+
+    def barrier(self) -> None:
+        pass
+
+
+class Backend(ABC):
+    name: str
+    device: torch.device
+
+    def __init__(self, communicator: Communicator):
+        self.communicator = communicator
+        self._cache: dict[str, Callable] = {}
+
+    def kernel(self, op: str) -> Callable:
+        fn = self._cache.get(op)
+        if fn is None:
+            fn = self._cache[op] = self._resolve(op)
+        return fn
+
+    def _resolve(self, op: str) -> Callable:
+        own = self.kernels()
+        if op in own:
+            return own[op]
+        namespace, _, rest = op.partition(".")
+        packet, _, overload = rest.partition(".")
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+        except (AttributeError, RuntimeError) as err:
+            raise PlanError(f"backend {self.name} has no kernel for op {op}",
+                            hint="the plan was compiled by a newer torch or sbpc; recompile it here") from err
+
+    @abstractmethod
+    def kernels(self) -> dict[str, Callable]:
+        """Backend-specific kernels of the device-neutral ``sbpc.*`` ops."""
+
+
+def make_backend(name: str, communicator: Communicator | None = None) -> Backend:
+    from sbpc.runtime.cpu import CpuBackend
+
+    backends = {"cpu": CpuBackend}
+    if name not in backends:
+        raise UsageError(f"backend {name!r} is not available", hint="available: cpu (cuda arrives with the NCCL backend)")
+    return backends[name](communicator or LocalCommunicator())

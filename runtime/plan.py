@@ -1,0 +1,169 @@
+"""The physical plan: what the compiler writes and the runtime executes.
+
+Pydantic models, serialised to JSON, with a ``schema_version``. A plan holds one SPMD program
+per pipeline stage; all ranks of a stage run the same program, parameterised by their mesh
+coordinates. The rank map is derived from the mesh axes (``rank_order``), so the plan's size
+never grows with the number of devices.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Literal, Union
+
+from typing_extensions import TypeAliasType
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sbpc.errors import PlanError
+
+SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RefArg(_Model):
+    ref: str
+
+
+class DTypeArg(_Model):
+    dtype: str
+
+
+class SymArg(_Model):
+    sym: str  # "device" (the runtime's device), a layout or a memory format
+
+
+class FloatArg(_Model):
+    float: Literal["inf", "-inf", "nan"]  # JSON has no spelling for these
+
+
+Arg = TypeAliasType("Arg", Union[RefArg, DTypeArg, SymArg, FloatArg, bool, int, float, str, None, list["Arg"]])
+
+
+class Instruction(_Model):
+    op: str
+    args: list[Arg] = Field(default_factory=list)
+    kwargs: dict[str, Arg] = Field(default_factory=dict)
+    outs: list[str] = Field(default_factory=list)
+    free: list[str] = Field(default_factory=list)  # values whose last use is this instruction
+    role: Literal["fwd", "bwd", "opt", "init"]
+    loc: str | None = None  # "module @ file:line", for error messages
+
+
+class TensorSpec(_Model):
+    name: str  # param/buffer FQN, "exp_avg:<param>", "step" or "batch.<i>"
+    value: str  # the program value it binds to
+    shape: list[int]
+    dtype: str  # torch dtype name, e.g. "float32"
+    sbp: list[str] = Field(default_factory=list)  # one entry per non-pp mesh axis
+
+
+class ParamSpec(TensorSpec):
+    grad: str  # the value holding its gradient
+    update: str  # the value holding its new value after the optimizer
+
+
+class StateSpec(TensorSpec):
+    update: str
+    init: Literal["zeros"] = "zeros"
+
+
+class StageProgram(_Model):
+    stage: int
+    instructions: list[Instruction]
+    loss: str
+
+
+class InitProgram(_Model):
+    instructions: list[Instruction]
+    outputs: dict[str, str]  # param/buffer FQN -> value
+
+
+class MeshAxis(_Model):
+    name: str
+    size: int
+
+
+class ModelRef(_Model):
+    path: str
+    sets: dict[str, Union[bool, int, float, str, None, list]] = Field(default_factory=dict)
+    batch_size: int
+
+
+class OptimizerSpec(_Model):
+    kind: Literal["adamw", "sgd"]
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    momentum: float
+
+
+class Estimates(_Model):
+    param_count: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    peak_activation_bytes: int  # live values of one step, from the program's liveness
+    instructions: int
+
+
+class Plan(_Model):
+    schema_version: int = SCHEMA_VERSION
+    sbpc_version: str
+    model: ModelRef
+    mesh: list[MeshAxis]  # rank order: outermost axis first
+    stages: list[StageProgram]
+    params: list[ParamSpec]
+    buffers: list[TensorSpec]
+    states: list[StateSpec]
+    batch: list[TensorSpec]
+    init: InitProgram
+    optimizer: OptimizerSpec
+    estimates: Estimates
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(a.size for a in self.mesh)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for axis in reversed(self.mesh):
+            out[axis.name] = rank % axis.size
+            rank //= axis.size
+        return {a.name: out[a.name] for a in self.mesh}
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    """Write atomically: a crash never leaves a half-written plan behind."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(plan.model_dump_json())
+    os.replace(tmp, path)
+
+
+def load_plan(path: str) -> Plan:
+    if not os.path.isfile(path):
+        raise PlanError(f"plan file {path!r} does not exist", hint="compile one with: sbpc compile MODEL -o plan.json")
+    with open(path) as f:
+        text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanError(f"plan {path} is not valid JSON: {err.msg}", location=f"{path}:{err.lineno}:{err.colno}",
+                        hint="the file is corrupt or truncated; recompile it with sbpc compile") from err
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise PlanError(f"plan {path} has schema_version {version!r}, this sbpc reads version {SCHEMA_VERSION}",
+                        hint="recompile the plan with this version of sbpc")
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PlanError(f"plan {path} is malformed at {where}: {first['msg']}",
+                        hint="the file was edited or corrupted; recompile it with sbpc compile") from err

@@ -1,0 +1,93 @@
+"""Run a plan step by step: weights, optimizer state, batches, loss.
+
+The runtime never imports the compiler. It imports the model file only to call
+``example_batch`` for synthetic batches, which is plain PyTorch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from sbpc.errors import ModelError, RuntimeFailure
+from sbpc.runtime.backend import Backend
+from sbpc.runtime.executor import Program
+from sbpc.runtime.plan import Plan
+from sbpc.runtime.weights import init_weights
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Runner:
+    """Holds one rank's parameters, buffers and optimizer state, and steps the plan."""
+
+    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
+        if plan.world_size != backend.communicator.world_size:
+            raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
+                                 hint="launch as many ranks as the plan's mesh has devices")
+        self.plan, self.backend = plan, backend
+        stage = plan.stages[0]
+        specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
+        self.program = Program(stage.instructions, [s.value for s in specs], backend)
+        tensors = weights if weights is not None else init_weights(plan, backend, seed)
+        dev = backend.device
+        self.params = {p.name: tensors[p.name].to(dev) for p in plan.params}
+        self.buffers = {b.name: tensors[b.name].to(dev) for b in plan.buffers}
+        self.states = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
+        self._loss = self.program.slot(stage.loss)
+
+    def step(self, batch: tuple[torch.Tensor, ...], keep_grads: bool = False) -> StepResult:
+        self._check_batch(batch)
+        env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
+               *(b.to(self.backend.device) for b in batch)]
+        env = self.program.run(env)
+        slot = self.program.slot
+        grads = {p.name: env[slot(p.grad)] for p in self.plan.params} if keep_grads else {}
+        self.params = {p.name: env[slot(p.update)] for p in self.plan.params}
+        self.states = {s.name: env[slot(s.update)] for s in self.plan.states}
+        return StepResult(loss=float(env[self._loss]), grads=grads)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {**self.params, **self.buffers}
+
+    def _check_batch(self, batch) -> None:
+        if len(batch) != len(self.plan.batch):
+            raise RuntimeFailure(f"batch has {len(batch)} tensors, the plan takes {len(self.plan.batch)}")
+        for t, spec in zip(batch, self.plan.batch):
+            if list(t.shape) != spec.shape or str(t.dtype) != f"torch.{spec.dtype}":
+                raise RuntimeFailure(f"{spec.name} is {t.dtype} {list(t.shape)}, the plan was compiled for {spec.dtype} {spec.shape}",
+                                     hint="recompile with the batch size and --set values used here")
+
+
+def batch_seed(seed: int, step: int) -> int:
+    """The torch seed before ``example_batch`` of a step; `sbpc check` uses the same."""
+    return seed * 1_000_003 + step + 1
+
+
+class BatchSource:
+    """Synthetic batches from the model file's ``example_batch``."""
+
+    def __init__(self, plan: Plan, seed: int):
+        path = plan.model.path
+        if not os.path.isfile(path):
+            raise ModelError(f"the plan's model file {path!r} is not here; it is needed for example_batch()",
+                             hint="run from the directory the plan was compiled in, or copy the model file along")
+        name = "_sbpc_batches_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        self.fn = module.example_batch
+        self.plan, self.seed = plan, seed
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(batch_seed(self.seed, step))
+        batch = self.fn(self.plan.model.batch_size, **self.plan.model.sets)
+        return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)

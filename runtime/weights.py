@@ -1,0 +1,69 @@
+"""Materialise a plan's parameters and buffers: replay its init program from a seed, or load
+a torch state_dict / safetensors file. Checkpoints are written atomically."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sbpc.errors import WeightsError
+from sbpc.runtime.backend import Backend
+from sbpc.runtime.executor import Program
+from sbpc.runtime.plan import Plan
+
+
+def init_weights(plan: Plan, backend: Backend, seed: int) -> dict[str, torch.Tensor]:
+    """The weights of ``torch.manual_seed(seed); build_model()``, bit for bit."""
+    gen = torch.Generator(device=backend.device)
+    gen.manual_seed(seed)
+    program = Program(plan.init.instructions, [], backend)
+    for st in program.steps:
+        schema = getattr(st.fn, "_schema", None)
+        if schema is not None and any(a.name == "generator" for a in schema.arguments):
+            st.kwargs = {**st.kwargs, "generator": gen}
+    env = program.run([])
+    return {name: env[program.slot(value)] for name, value in plan.init.outputs.items()}
+
+
+def load_weights(path: str, plan: Plan) -> dict[str, torch.Tensor]:
+    if not os.path.isfile(path):
+        raise WeightsError(f"weights file {path!r} does not exist", hint="pass a torch state_dict (.pt) or a .safetensors file")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors = load_file(path)
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise WeightsError(f"cannot read weights file {path}: {type(err).__name__}: {err}",
+                           hint="the file is corrupt or not a state_dict") from err
+    return check_weights(tensors, plan, path)
+
+
+def check_weights(tensors: dict, plan: Plan, path: str) -> dict[str, torch.Tensor]:
+    needed = {s.name: s for s in [*plan.params, *plan.buffers]}
+    missing = sorted(set(needed) - set(tensors))
+    if missing:
+        raise WeightsError(f"weights file {path} lacks {len(missing)} tensors, first {missing[0]!r}",
+                           hint="the file must hold every parameter and buffer of the model, by module path")
+    out = {}
+    for name, spec in needed.items():
+        t = tensors[name]
+        if list(t.shape) != spec.shape:
+            raise WeightsError(f"weights file {path}: {name} has shape {list(t.shape)}, the plan expects {spec.shape}",
+                               hint="the weights come from a differently sized model; check the --set values")
+        out[name] = t.to(getattr(torch, spec.dtype))
+    return out
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Atomic: write to a temporary file, then rename over the target."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    else:
+        torch.save(tensors, tmp)
+    os.replace(tmp, path)
