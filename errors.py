@@ -61,3 +61,31 @@ class CheckFailure(SbpcError):
 
 class WeightsError(SbpcError):
     """A weights file is missing, unreadable, or does not match the plan's parameters."""
+
+
+def guarded_main(body, argv_debug: bool, prog: str = "sbpc") -> int:
+    """Run a CLI body: an SbpcError ends in one line and exit 2; --debug shows the traceback."""
+    import os
+    import sys
+    import traceback
+
+    try:
+        return body() or 0
+    except SbpcError as err:
+        if argv_debug:
+            traceback.print_exc()
+        print(f"{prog}: {err.kind}: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `sbpc inspect plan.json | head` closed the pipe: not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug in sbpc, not in the user's input
+        if argv_debug:
+            traceback.print_exc()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"{prog}: internal error: {type(err).__name__}: {first}; hint: rerun with --debug and report the trace",
+              file=sys.stderr)
+        return 3

@@ -17,7 +17,7 @@ from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preser
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type
+from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.init_record import InitRecorder
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind
 from sbpc.compiler.mesh import Mesh
@@ -37,12 +37,11 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
         buffers = frozen + list(model.named_buffers())
         gm = _trace_joint(model, source, params, buffers, batch)
         init_nodes, init_outputs = recorder.to_init_region(params + buffers)
-    imported = import_fx(gm)
-    ph = iter(imported.placeholders)
+    entries = [(InputKind.PARAM, n, p) for n, p in params] + [(InputKind.BUFFER, n, b) for n, b in buffers]
+    entries += [(InputKind.BATCH, f"batch.{i}", b) for i, b in enumerate(batch)]
+    imported = import_fx(gm, [value_name(n) for _, n, _ in entries])
     names = imported.names
-    inputs = [GraphInput(InputKind.PARAM, names[next(ph)], tensor_type(p), n) for n, p in params]
-    inputs += [GraphInput(InputKind.BUFFER, names[next(ph)], tensor_type(b), n) for n, b in buffers]
-    inputs += [GraphInput(InputKind.BATCH, names[next(ph)], tensor_type(b), f"batch.{i}") for i, b in enumerate(batch)]
+    inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
     loss, *grads = imported.outputs
     outputs = [GraphOutput(OutputKind.LOSS, names[loss], "loss")]
     for (fqn, _), g in zip(params, grads):
@@ -54,9 +53,20 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     grad_of = {o.name: o.value for o in outputs if o.kind == OutputKind.GRAD}
     plist = [(i.name, i.value, i.type, grad_of[i.name]) for i in inputs if i.kind == InputKind.PARAM]
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
+    inputs, outputs = _canonical_order(inputs, outputs)
     name = os.path.splitext(os.path.basename(source.path))[0].replace("-", "_").replace(".", "_")
     return Graph(name=name if name.isidentifier() else "model", mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
+
+
+def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
+    """Inputs by kind (params, buffers, states, batch); outputs loss, grads, then updates in input order."""
+    kinds = list(InputKind)
+    inputs = sorted(inputs, key=lambda i: kinds.index(i.kind))
+    rank = {i.name: n for n, i in enumerate(inputs)}
+    okinds = [OutputKind.LOSS, OutputKind.GRAD, OutputKind.UPDATE]
+    outputs = sorted(outputs, key=lambda o: (okinds.index(o.kind), rank.get(o.name, -1)))
+    return inputs, outputs
 
 
 def _build(source: ModelSource) -> torch.nn.Module:

@@ -99,7 +99,7 @@ def run_check(plan: Plan, source: ModelSource, runner: Runner, optimizer: Optimi
         opt.zero_grad(set_to_none=True)
         loss = model(*batch)
         loss.backward()
-        row = StepRow(str(step), result.loss, float(loss), Deviation(), Deviation(), Deviation())
+        row = StepRow(str(step), result.loss, float(loss.detach()), Deviation(), Deviation(), Deviation())
         row.loss.update("loss", torch.tensor(result.loss), loss.detach())
         named = dict(model.named_parameters())
         for name, g in result.grads.items():

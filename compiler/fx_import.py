@@ -23,9 +23,16 @@ from sbpc.errors import CaptureError
 MODULE_KEY = "sbpc_module"
 MAX_CONSTANT_NUMEL = 4096
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
+_NOT_IDENT = re.compile(r"[^A-Za-z0-9_]")
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SBPC_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("compiler", "runtime"))
+
+
+def value_name(text: str) -> str:
+    """A readable IR value name for a parameter path such as ``h.0.attn.c_attn.weight``."""
+    name = _NOT_IDENT.sub("_", text)
+    return name if name[:1].isalpha() or name[:1] == "_" else f"v_{name}"
 
 
 def tensor_type(t: torch.Tensor) -> TensorType:
@@ -60,15 +67,17 @@ class ImportedGraph:
     outputs: list[Any]  # the fx output node's flat args
 
 
-def import_fx(gm: torch.fx.GraphModule) -> ImportedGraph:
+def import_fx(gm: torch.fx.GraphModule, input_names: list[str] | None = None) -> ImportedGraph:
+    """``input_names`` renames the placeholders, in order (fx names them ``arg0_1``...)."""
     names: dict[torch.fx.Node, str] = {}
+    given = iter(input_names or [])
     locs = _forward_locations(gm)
     nodes: list[Node] = []
     placeholders = []
     outputs: list[Any] = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            names[n] = n.name
+            names[n] = next(given, n.name)
             placeholders.append(n)
         elif n.op == "output":
             outputs = list(torch.utils._pytree.tree_flatten(n.args[0])[0])
@@ -99,9 +108,11 @@ def _import_node(n: torch.fx.Node, names: dict, locs: dict) -> Node:
         names[n] = n.name
         outs, types = [n.name], [tensor_type(val)]
     role = Role.BACKWARD if n.meta.get("autograd_backward") else Role.FORWARD
+    # Only backward ops borrow the location of their forward op: a forward op that autograd
+    # does not track carries a stale seq_nr.
+    loc = (locs.get(n.meta.get("seq_nr")) if role == Role.BACKWARD else None) or _location(n)
     return Node(outputs=outs, op=str(n.target), args=tuple(convert_arg(a, names) for a in n.args),
-                kwargs={k: convert_arg(v, names) for k, v in n.kwargs.items()}, types=types, role=role,
-                loc=locs.get(n.meta.get("seq_nr")) or _location(n))
+                kwargs={k: convert_arg(v, names) for k, v in n.kwargs.items()}, types=types, role=role, loc=loc)
 
 
 def _import_constant(n: torch.fx.Node, value: torch.Tensor, names: dict) -> Node:

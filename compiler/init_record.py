@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sbpc.compiler.fx_import import convert_arg, tensor_type
-from sbpc.compiler.ir.types import GraphOutput, Node, OutputKind, Ref, Role
+from sbpc.compiler.fx_import import MAX_CONSTANT_NUMEL, convert_arg, tensor_type
+from sbpc.compiler.ir.types import DType, GraphOutput, Node, OutputKind, Ref, Role
 from sbpc.errors import CaptureError
 
 
@@ -53,6 +54,9 @@ class InitRecorder(TorchDispatchMode):
         mutates = func._schema.is_mutable
         ins = {id(t) for t in flat_in}
         fresh = [t for t in flat_out if isinstance(t, torch.Tensor) and id(t) not in ins]
+        for t in flat_in:
+            if id(t) not in self.names:
+                self._record_constant(t)
         conv = lambda a: Ref(self._name(a)) if isinstance(a, torch.Tensor) else convert_arg(a, None)
         rec_args = tuple(_map(conv, a) for a in args)
         rec_kwargs = {k: _map(conv, v) for k, v in kwargs.items()}
@@ -60,6 +64,17 @@ class InitRecorder(TorchDispatchMode):
         self.ops.append(_Recorded(str(func), rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
                                   mutates, random))
         return out
+
+    def _record_constant(self, t: torch.Tensor) -> None:
+        """A tensor made from Python data (``torch.tensor(0)``): its values travel in the plan."""
+        value = getattr(t, "constant", None) if isinstance(t, FakeTensor) else t
+        if value is None or value.numel() > MAX_CONSTANT_NUMEL:
+            return  # unknown: an op that needs it fails the init region below, naming the op
+        ttype = tensor_type(value)
+        with unset_fake_temporarily():
+            values = value.flatten().tolist()
+        self.ops.append(_Recorded("sbpc.constant", (values, list(value.shape)),
+                                  {"dtype": DType(ttype.dtype)}, [self._name(t)], [t], [], False, False))
 
     def to_init_region(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[Node], list[GraphOutput]]:
         """Nodes that build ``named`` tensors (params and buffers), dead ops removed."""

@@ -42,9 +42,12 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
 
 
 def _instr(n: Node, free: list[str]) -> P.Instruction:
+    sbps = n.sbp or [()] * len(n.outputs)
+    types = [P.ValueType(shape=list(t.shape), dtype=t.dtype, sbp=[repr(s) for s in nd]) for t, nd in zip(n.types, sbps)]
+    loc = P.SourceLoc(module=n.loc.module, file=n.loc.file, line=n.loc.line) if n.loc else None
     return P.Instruction(op=n.op, args=[encode_arg(a) for a in n.args],
                          kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
-                         outs=list(n.outputs), free=free, role=n.role.value, loc=str(n.loc) if n.loc else None)
+                         outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc)
 
 
 def encode_arg(a):

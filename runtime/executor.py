@@ -103,5 +103,6 @@ def _contains_slot(args) -> bool:
 def _failure(ins: Instruction, err: Exception) -> RuntimeFailure:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     outs = ", ".join("%" + o for o in ins.outs) or "(in place)"
-    return RuntimeFailure(f"{ins.op} -> {outs} failed: {type(err).__name__}: {first}", location=ins.loc,
+    return RuntimeFailure(f"{ins.op} -> {outs} failed: {type(err).__name__}: {first}",
+                          location=str(ins.loc) if ins.loc else None,
                           hint="run `sbpc check` on the model to compare it with eager PyTorch; use --debug for the trace")

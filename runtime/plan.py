@@ -44,14 +44,32 @@ class FloatArg(_Model):
 Arg = TypeAliasType("Arg", Union[RefArg, DTypeArg, SymArg, FloatArg, bool, int, float, str, None, list["Arg"]])
 
 
+class ValueType(_Model):
+    shape: list[int]
+    dtype: str  # short IR name, e.g. "f32"
+    sbp: list[str] = Field(default_factory=list)  # one entry per non-pp mesh axis, e.g. ["S(0)", "B"]
+
+
+class SourceLoc(_Model):
+    module: str
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}"
+        return f"{self.module} @ {where}" if self.module else where
+
+
 class Instruction(_Model):
     op: str
     args: list[Arg] = Field(default_factory=list)
     kwargs: dict[str, Arg] = Field(default_factory=dict)
     outs: list[str] = Field(default_factory=list)
+    types: list[ValueType] = Field(default_factory=list)  # one per out
     free: list[str] = Field(default_factory=list)  # values whose last use is this instruction
     role: Literal["fwd", "bwd", "opt", "init"]
-    loc: str | None = None  # "module @ file:line", for error messages
+    stage: int | None = None
+    loc: SourceLoc | None = None  # the user's module and line, for error messages
 
 
 class TensorSpec(_Model):

@@ -1,0 +1,133 @@
+"""The `sbpc` command: compile, inspect, run, check, schema."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from sbpc.errors import UsageError, guarded_main
+from sbpc.runtime.cli import add_run_arguments, run_command
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model file defining build_model(**kw) and example_batch(batch_size, **kw)")
+    p.add_argument("--mesh", default="1", help="device mesh: 4x8x4 (dp x tp x pp) or dp=2,tp=2 (default 1)")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
+                   help="keyword argument for build_model and example_batch (repeatable)")
+    p.add_argument("--batch-size", type=int, default=4, help="global batch size (default 4)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
+    p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
+    p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
+    p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
+
+
+def _compile(args: argparse.Namespace):
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.mesh import parse_mesh
+    from sbpc.compiler.model_loader import load_model, parse_sets
+    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.pass_manager import CompileContext
+
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
+    mesh = parse_mesh(args.mesh)
+    source = load_model(args.model, parse_sets(args.sets))
+    optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum)
+    ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
+                         dump_dir=args.dump_dir)
+    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx)
+    return result, source, optimizer
+
+
+def cmd_compile(args) -> int:
+    from sbpc.runtime.plan import save_plan
+
+    result, _, _ = _compile(args)
+    save_plan(result.plan, args.output)
+    est, t = result.plan.estimates, result.timings
+    print(f"compiled {args.model} for mesh {args.mesh}: {est.instructions} instructions, "
+          f"{est.param_count:,} parameters, capture {t['capture']:.1f}s, total {t['total']:.1f}s -> {args.output} "
+          f"({os.path.getsize(args.output) / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from sbpc.compiler.ir.printer import print_graph
+    from sbpc.compiler.raise_plan import raise_plan
+    from sbpc.runtime.plan import load_plan
+
+    plan = load_plan(args.plan)
+    if args.ranks:
+        for rank in range(plan.world_size):
+            coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
+            print(f"rank {rank}: {coords}")
+        return 0
+    graph = raise_plan(plan)
+    if not args.init:
+        graph.init, graph.init_outputs = [], []
+    sys.stdout.write(print_graph(graph))
+    e = plan.estimates
+    print(f"// {e.instructions} instructions; params {e.param_bytes / 2**20:.1f} MiB, grads {e.grad_bytes / 2**20:.1f} MiB, "
+          f"optimizer state {e.optimizer_state_bytes / 2**20:.1f} MiB, peak activations {e.peak_activation_bytes / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from sbpc.compiler.check import run_check
+    from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.runner import Runner
+
+    result, source, optimizer = _compile(args)
+    runner = Runner(result.plan, make_backend("cpu"), seed=args.seed)
+    report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance)
+    print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def cmd_schema(args) -> int:
+    from sbpc.runtime.plan import Plan
+
+    print(json.dumps(Plan.model_json_schema(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sbpc", description="Compile single-device PyTorch training into a distributed plan.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compile", help="compile a model file into a plan")
+    _model_arguments(c)
+    c.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    c.set_defaults(fn=cmd_compile)
+    i = sub.add_parser("inspect", help="print a plan as text IR")
+    i.add_argument("plan")
+    i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
+    i.add_argument("--ranks", action="store_true", help="print the rank -> mesh coordinate map instead")
+    i.set_defaults(fn=cmd_inspect)
+    r = sub.add_parser("run", help="run a plan on synthetic batches")
+    add_run_arguments(r)
+    r.set_defaults(fn=run_command)
+    k = sub.add_parser("check", help="run plan and eager PyTorch from one seed and compare them")
+    _model_arguments(k)
+    k.add_argument("--steps", type=int, default=3)
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--tolerance", type=float, default=1e-5, help="max relative deviation allowed (default 1e-5)")
+    k.set_defaults(fn=cmd_check)
+    s = sub.add_parser("schema", help="print the JSON Schema of the plan format")
+    s.set_defaults(fn=cmd_schema)
+    for sp in (c, i, r, k, s):
+        sp.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded_main(lambda: args.fn(args), args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""cse: common subexpression elimination.
+
+Two pure ops with the same operator and arguments compute the same value; the later one is
+replaced by the earlier. This folds, for example, the optimizer's per-parameter bias
+corrections (functions of the step alone) into one computation per step. Random ops are
+never merged: two dropout masks are two draws.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import Graph, Node, Ref
+
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "poisson", "exponential")
+
+
+@dataclass
+class CommonSubexpressionElimination:
+    name: str = "cse"
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        seen: dict[tuple, Node] = {}
+        rename: dict[str, str] = {}
+        nodes = []
+        for n in graph.nodes:
+            n = replace(n, args=_sub(n.args, rename), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
+            key = _key(n)
+            first = seen.get(key) if key is not None else None
+            if first is not None and first.types == n.types:
+                rename.update(zip(n.outputs, first.outputs))
+                continue
+            if key is not None:
+                seen[key] = n
+            nodes.append(n)
+        outputs = [replace(o, value=rename.get(o.value, o.value)) for o in graph.outputs]
+        return replace(graph, nodes=nodes, outputs=outputs)
+
+
+def _key(n: Node):
+    if any(word in n.op for word in _RANDOM):
+        return None
+    return (n.op, _freeze(n.args), _freeze(sorted(n.kwargs.items())))
+
+
+def _freeze(a):
+    if isinstance(a, (list, tuple)):
+        return tuple(("list", *(_freeze(x) for x in a)))
+    if isinstance(a, float):
+        return ("float", repr(a))  # 1 and 1.0 and True must not merge
+    return (type(a).__name__, a)
+
+
+def _sub(a, rename):
+    if isinstance(a, Ref):
+        return Ref(rename.get(a.name, a.name))
+    if isinstance(a, (list, tuple)):
+        return type(a)(_sub(x, rename) for x in a)
+    return a

@@ -1,0 +1,94 @@
+"""Bad input ends in one line naming the culprit and a hint, exit code 2, no traceback."""
+import json
+import re
+
+import pytest
+
+from conftest import sbpc
+
+
+def assert_one_line_error(proc, pattern: str):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "hint:" in lines[0]
+
+
+def test_missing_model_file():
+    assert_one_line_error(sbpc("compile", "nope/missing.py"), r"model file 'nope/missing\.py' does not exist")
+
+
+def test_model_without_build_model():
+    assert_one_line_error(sbpc("compile", "tests/models/no_build.py"), r"has no function build_model\(\)")
+
+
+def test_forward_not_returning_a_scalar():
+    proc = sbpc("compile", "tests/models/not_scalar.py")
+    assert_one_line_error(proc, r"forward\(\) must return the scalar loss, but returned a tensor of shape \[4, 2\]"
+                                r" \(at tests/models/not_scalar\.py:9\)")
+
+
+def test_data_dependent_control_flow_names_the_line():
+    proc = sbpc("compile", "tests/models/data_dependent.py")
+    assert_one_line_error(proc, r"cannot trace forward\(\): data-dependent control flow "
+                                r"\(at tests/models/data_dependent\.py:11\)")
+
+
+def test_in_place_buffer_update_is_refused():
+    proc = sbpc("compile", "tests/models/inplace_buffer.py")
+    assert_one_line_error(proc, r"mutates a tensor in place")
+
+
+@pytest.mark.parametrize("bad", ["layers", "=4", "9x=1"])
+def test_bad_set_syntax(bad):
+    assert_one_line_error(sbpc("compile", "examples/mlp.py", "--set", bad), r"bad --set")
+
+
+def test_set_key_the_model_does_not_take():
+    proc = sbpc("compile", "examples/mlp.py", "--set", "depth=3")
+    assert_one_line_error(proc, r"build_model\(\) in examples/mlp\.py does not accept these --set values")
+
+
+def test_set_value_the_model_rejects():
+    proc = sbpc("compile", "examples/gpt.py", "--set", "preset=huge")
+    assert_one_line_error(proc, r"rejected the --set values: unknown preset 'huge'.*\(at examples/gpt\.py:\d+\)")
+
+
+@pytest.mark.parametrize("mesh,pattern", [("2x0", r"bad mesh size '0'"), ("dp=2,foo=2", r"unknown mesh axis 'foo'"),
+                                          ("1x1x1x1", r"has 4 axes"), ("dp=1,dp=1", r"names an axis twice")])
+def test_bad_mesh(mesh, pattern):
+    assert_one_line_error(sbpc("compile", "examples/mlp.py", "--mesh", mesh), pattern)
+
+
+def test_multi_device_mesh_is_refused_until_sbp_lands():
+    assert_one_line_error(sbpc("compile", "examples/mlp.py", "--mesh", "2x2"), r"not implemented yet")
+
+
+def test_corrupt_plan_json(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"schema_version": 1, "stages": [')
+    assert_one_line_error(sbpc("run", str(plan)), r"is not valid JSON.*\(at .*plan\.json:1:\d+\)")
+
+
+def test_wrong_schema_version(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema_version": 99}))
+    assert_one_line_error(sbpc("inspect", str(plan)), r"schema_version 99, this sbpc reads version 1")
+
+
+def test_malformed_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema_version": 1, "stages": 3}))
+    assert_one_line_error(sbpc("run", str(plan)), r"is malformed at")
+
+
+def test_missing_plan_file():
+    assert_one_line_error(sbpc("run", "does/not/exist.json"), r"plan file 'does/not/exist\.json' does not exist")
+
+
+def test_debug_shows_the_traceback():
+    proc = sbpc("compile", "tests/models/no_build.py", "--debug")
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and "has no function build_model()" in proc.stderr

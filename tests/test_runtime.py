@@ -1,0 +1,99 @@
+"""The runtime: stepping, weights in and out, and its own errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, compile_example, sbpc
+from sbpc.errors import RuntimeFailure, WeightsError
+from sbpc.runtime.backend import LocalCommunicator, make_backend
+from sbpc.runtime.runner import BatchSource, Runner
+from sbpc.runtime.weights import load_weights, save_weights
+
+
+def test_training_reduces_the_loss():
+    result, _, _ = compile_example("mlp.py")
+    runner = Runner(result.plan, make_backend("cpu"), seed=0)
+    batch = BatchSource(result.plan, 0)(0)
+    losses = [runner.step(batch).loss for _ in range(20)]  # one batch, overfit
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_weights_round_trip_and_resume(tmp_path, suffix):
+    result, _, _ = compile_example("gpt.py")
+    plan = result.plan
+    batches = BatchSource(plan, 0)
+    a = Runner(plan, make_backend("cpu"), seed=0)
+    a.step(batches(0))
+    path = str(tmp_path / f"w{suffix}")
+    save_weights(a.weights(), path)
+    assert os.listdir(tmp_path) == [f"w{suffix}"]  # the temporary file was renamed away
+    b = Runner(plan, make_backend("cpu"), weights=load_weights(path, plan))
+    for name, t in a.weights().items():
+        assert torch.equal(t, b.weights()[name]), name
+
+
+def test_weights_errors(tmp_path):
+    plan = compile_example("mlp.py")[0].plan
+    with pytest.raises(WeightsError, match="does not exist"):
+        load_weights(str(tmp_path / "none.pt"), plan)
+    torch.save({"layers.0.weight": torch.zeros(1)}, tmp_path / "few.pt")
+    with pytest.raises(WeightsError, match=r"lacks \d+ tensors"):
+        load_weights(str(tmp_path / "few.pt"), plan)
+    good = Runner(plan, make_backend("cpu"), seed=0).weights()
+    good["layers.0.weight"] = torch.zeros(3, 3)
+    torch.save(good, tmp_path / "shape.pt")
+    with pytest.raises(WeightsError, match=r"layers\.0\.weight has shape \[3, 3\], the plan expects \[64, 32\]"):
+        load_weights(str(tmp_path / "shape.pt"), plan)
+    (tmp_path / "junk.pt").write_bytes(b"not a pickle")
+    with pytest.raises(WeightsError, match="cannot read weights file"):
+        load_weights(str(tmp_path / "junk.pt"), plan)
+
+
+def test_world_size_mismatch():
+    plan = compile_example("mlp.py")[0].plan
+    comm = LocalCommunicator()
+    comm.world_size = 4
+    with pytest.raises(RuntimeFailure, match=r"plan is for 1 ranks but this run has 4"):
+        Runner(plan, make_backend("cpu", comm), seed=0)
+
+
+def test_batch_of_the_wrong_shape():
+    plan = compile_example("mlp.py")[0].plan
+    runner = Runner(plan, make_backend("cpu"), seed=0)
+    with pytest.raises(RuntimeFailure, match=r"batch\.0 is torch\.float32 \[3, 32\], the plan was compiled for float32 \[4, 32\]"):
+        runner.step((torch.randn(3, 32), torch.randn(3, 8)))
+
+
+def test_a_failing_kernel_names_the_instruction_and_the_users_line():
+    result, _, _ = compile_example("mlp.py")
+    plan = result.plan
+    program = plan.stages[0]
+    idx = next(i for i, ins in enumerate(program.instructions) if ins.op == "aten.addmm.default")
+    bad = program.instructions[idx].model_copy(update={"op": "aten.mm.default"})  # wrong arity
+    instructions = [*program.instructions[:idx], bad, *program.instructions[idx + 1:]]
+    broken = plan.model_copy(update={"stages": [program.model_copy(update={"instructions": instructions})]})
+    runner = Runner(broken, make_backend("cpu"), seed=0)
+    with pytest.raises(RuntimeFailure, match=r"aten\.mm\.default -> %addmm failed: .*\(at layers\.0 @ examples/mlp\.py:\d+\)"):
+        runner.step(BatchSource(plan, 0)(0))
+
+
+def test_unknown_backend():
+    from sbpc.errors import UsageError
+
+    with pytest.raises(UsageError, match="backend 'tpu' is not available"):
+        make_backend("tpu")
+
+
+def test_runtime_never_imports_the_compiler(tmp_path):
+    plan = str(tmp_path / "plan.json")
+    assert sbpc("compile", "examples/mlp.py", "-o", plan).returncode == 0
+    code = ("import sys; from sbpc.runtime.cli import main; rc = main([%r, '--steps', '2']);"
+            "bad = [m for m in sys.modules if m.startswith('sbpc.compiler')]; print('COMPILER', bad); sys.exit(rc)") % plan
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1: loss" in proc.stdout
+    assert "COMPILER []" in proc.stdout
