@@ -1,0 +1,139 @@
+"""Training steps/s of an sbpc plan vs eager PyTorch: same model, batches, AdamW and threads.
+
+One process. Both sides start from the same seeded weights and step through the same
+pre-generated batches (made with BatchSource outside the timed region). A timed block is
+`--steps` training steps of one side and nothing else:
+
+  plan   runner.step(batch)        (forward, backward, AdamW update; returns the loss as float)
+  eager  opt.zero_grad(set_to_none=True); loss = model(*batch); loss.backward(); opt.step();
+         float(loss)               (float(loss) mirrors the plan returning its loss)
+
+Blocks are interleaved over `--rounds` rounds, alternating which side goes first, and the
+median block of each side is reported. The ratio is plan step time / eager step time
+(1.00 = parity, above 1 = the plan is slower).
+
+Eager optimizers: `single` is AdamW(foreach=False), the path the plan reproduces bit for bit
+and also torch's default on CPU (torch only defaults to foreach on cuda/xpu); `foreach` and
+`fused` are AdamW(foreach=True) and AdamW(fused=True), torch's faster CPU paths.
+
+With no --set, two configs run: gpt.py tiny (batch 4) and a mid-sized GPT (4 layers, hidden
+256, seq 128, batch 8) where kernels dominate per-op overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from sbpc.compiler.driver import compile_model
+from sbpc.compiler.mesh import parse_mesh
+from sbpc.compiler.model_loader import load_model, parse_sets
+from sbpc.compiler.optim import OptimizerConfig
+from sbpc.runtime.backend import make_backend
+from sbpc.runtime.runner import BatchSource, Runner
+
+MID = ["preset=tiny", "layers=4", "hidden=256", "heads=8", "seq=128"]
+DEFAULT_CONFIGS = [("tiny", [], 4), ("mid", MID, 8)]
+EAGER_OPTIMIZERS = {"single": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def plan_stepper(source, batch_size: int, opt: OptimizerConfig):
+    plan = compile_model(source, parse_mesh("1"), batch_size=batch_size, optimizer=opt).plan
+    runner = Runner(plan, make_backend("cpu"), seed=0)
+    return plan, runner.step
+
+
+def eager_stepper(source, opt: OptimizerConfig, variant: str):
+    torch.manual_seed(0)
+    model = source.build().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if variant == "single":
+        optimizer = opt.torch_optimizer(params)  # foreach=False: the path the plan matches
+    else:
+        optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                      weight_decay=opt.weight_decay, **EAGER_OPTIMIZERS[variant])
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+def time_block(step, batches) -> float:
+    """Seconds per step over one block; only the steps are inside the timer."""
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    return (time.perf_counter() - start) / len(batches)
+
+
+def bench_config(name, sets, batch_size, args) -> list[tuple]:
+    opt = OptimizerConfig()
+    source = load_model(args.model, parse_sets(sets))
+    plan, plan_step = plan_stepper(source, batch_size, opt)
+    make = BatchSource(plan, 0)
+    warm = [make(i) for i in range(args.warmup)]
+    batches = [make(args.warmup + i) for i in range(args.steps)]
+    sides = {"plan": plan_step, **{f"eager {v}": eager_stepper(source, opt, v) for v in args.eager}}
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for step in sides.values():
+            for batch in warm:
+                step(batch)
+        times = {side: [] for side in sides}
+        order = list(sides)
+        for _ in range(args.rounds):
+            for side in order:
+                times[side].append(time_block(sides[side], batches))
+            order.reverse()
+        med = {side: statistics.median(t) for side, t in times.items()}
+        for side in sides:
+            rows.append((name, batch_size, threads, side, med[side], med[side] / med["plan"]))
+        for v in args.eager:
+            print(f"[{name}, {threads} thread(s)] plan/eager step-time ratio = {med['plan'] / med[f'eager {v}']:.2f}"
+                  f"  (eager AdamW {v}{'; the path the plan matches' if v == 'single' else ''})", flush=True)
+    return rows
+
+
+def print_table(rows) -> None:
+    print(f"\n{'config':>6} {'batch':>5} {'threads':>7} {'side':>14} {'ms/step':>9} {'steps/s':>8} {'plan/this':>9}")
+    for name, batch, threads, side, sec, rel in rows:
+        print(f"{name:>6} {batch:>5} {threads:>7} {side:>14} {sec * 1e3:9.2f} {1 / sec:8.1f} {1 / rel:9.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="examples/gpt.py")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
+                   help="model setting (repeatable); when given, only this config runs")
+    p.add_argument("--batch-size", type=int, help="batch size (default 4 for tiny, 8 for mid)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per block (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side and thread count (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of blocks (default 5)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts (default 1 2)")
+    p.add_argument("--eager", nargs="+", choices=list(EAGER_OPTIMIZERS), default=list(EAGER_OPTIMIZERS),
+                   help="eager AdamW variants (default: single foreach fused)")
+    args = p.parse_args(argv)
+    if "single" not in args.eager:
+        args.eager.insert(0, "single")
+    configs = [("custom", args.sets, args.batch_size or 4)] if args.sets else \
+        [(n, s, args.batch_size or b) for n, s, b in DEFAULT_CONFIGS]
+    rows = []
+    for name, sets, batch_size in configs:
+        print(f"== {name}: {args.model} {' '.join('--set ' + s for s in sets)} batch {batch_size}, "
+              f"{args.rounds} rounds x {args.steps} steps", flush=True)
+        rows += bench_config(name, sets, batch_size, args)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Pass manager, verifier and memory-plan tests (the IR-changing passes have golden files)."""
+import io
+import re
+
+import pytest
+
+from conftest import compile_example
+from sbpc.compiler.ir.parser import parse_graph
+from sbpc.compiler.ir.verify import verify
+from sbpc.compiler.pass_manager import CompileContext, PassManager
+from sbpc.compiler.passes import default_pipeline
+from sbpc.errors import IRError, UsageError
+
+BASE = """graph @g mesh<dp=1> {{
+  input param %w : f32[4, 4] "w"
+  input batch %x : f32[2, 4] "batch.0"
+{body}
+}}
+"""
+OK_BODY = """  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd}
+  %l = aten.sum.default(%y) : f32[] {role=fwd}
+  output loss %l "loss\""""
+
+
+def graph(body: str):
+    return parse_graph(BASE.format(body=body))
+
+
+def test_valid_graph_verifies():
+    verify(graph(OK_BODY))
+
+
+@pytest.mark.parametrize("body,message", [
+    ("""  %l = aten.sum.default(%nope) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"aten\.sum\.default uses %nope before it is defined"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
+  %l = aten.sum.default(%w) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"value %l is defined twice"),
+    ("""  %y = aten.add_.Tensor(%x, %x) : f32[2, 4] {role=fwd, loc="blk" @ "m.py":7}
+  %l = aten.sum.default(%y) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"aten\.add_\.Tensor mutates a tensor in place.*\(at blk @ m\.py:7\)"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}""", r"graph has 0 loss outputs, expected exactly one"),
+    (OK_BODY + """
+  output grad %l "x\"""", r"gradient output names 'x', which is not a parameter"),
+    (OK_BODY + """
+  output update %l "nothing\"""", r"update output names 'nothing', which is neither"),
+    (OK_BODY.replace("output loss %l", "output loss %zz"), r"graph output loss 'loss' uses undefined value %zz"),
+    ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, stage=0}
+  %l = aten.sum.default(%y) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"aten\.sum\.default has no stage while other ops do"),
+    ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, sbp=[[S(2)]]}
+  %l = aten.sum.default(%y) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"splits dim 2 of a rank-2 tensor"),
+    ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, sbp=[[B, B]]}
+  %l = aten.sum.default(%y) : f32[] {role=fwd}
+  output loss %l "loss\"""", r"nd-SBP of 2 entries on a mesh with 1 SBP axes"),
+])
+def test_verifier_errors(body, message):
+    with pytest.raises(IRError, match=message):
+        verify(graph(body), after="test")
+
+
+def test_verifier_names_the_pass_that_broke_the_ir():
+    class Breaker:
+        name = "breaker"
+
+        def apply(self, g, ctx):
+            g.nodes = g.nodes[1:]  # drops the producer of %y
+            return g
+
+    with pytest.raises(IRError, match=r"uses %y before it is defined after pass 'breaker'"):
+        PassManager([Breaker()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+
+
+def test_print_after_and_dump_dir(tmp_path):
+    log = io.StringIO()
+    ctx = CompileContext(print_after={"dce"}, dump_dir=str(tmp_path), log=log)
+    PassManager(default_pipeline(), ctx).run(graph(OK_BODY))
+    assert re.findall(r"// ----- IR after (\S+) -----", log.getvalue()) == ["dce"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-cse.sbpir", "03-dce.sbpir",
+                     "04-stage-partition.sbpir", "05-sbp-propagate.sbpir", "06-memory-plan.sbpir"]
+    assert "stage=0" in (tmp_path / "04-stage-partition.sbpir").read_text()
+
+
+def test_print_after_unknown_pass():
+    with pytest.raises(UsageError, match=r"--print-after names unknown pass 'nope'.*passes: capture, normalize"):
+        PassManager(default_pipeline(), CompileContext(print_after={"nope"}))
+
+
+def test_memory_plan_estimates_match_the_model():
+    result, source, _ = compile_example("mlp.py")
+    est = result.plan.estimates
+    # mlp defaults: 32 -> 64 -> 64 -> 8, weights and biases
+    params = 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8
+    assert est.param_count == params
+    assert est.param_bytes == est.grad_bytes == 4 * params
+    assert est.optimizer_state_bytes == 2 * 4 * params + 8  # exp_avg, exp_avg_sq, and the f64 step
+    assert 0 < est.peak_activation_bytes < 10 * 2**20
+    assert est.instructions == len(result.plan.stages[0].instructions)
+
+
+def test_cse_shares_the_optimizer_bias_correction():
+    result, _, _ = compile_example("gpt.py")
+    ops = [i.op for i in result.plan.stages[0].instructions]
+    assert ops.count("aten.pow.Scalar") == 2  # beta1**t and beta2**t, once for all 29 parameters
+    assert len(result.plan.params) == 29
