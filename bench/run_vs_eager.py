@@ -61,7 +61,7 @@ def eager_stepper(source, opt: OptimizerConfig, variant: str):
         loss = model(*batch)
         loss.backward()
         optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
