@@ -10,7 +10,7 @@ def _config(layers=2, hidden=64, heads=4, vocab=512, seq=32):
     return GPT2Config(
         n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout off: parity is exact
-        attn_implementation="eager", bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM",
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
     )
 
 
