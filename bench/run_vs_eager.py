@@ -22,6 +22,7 @@ With no --set, two configs run: gpt.py tiny (batch 4) and a mid-sized GPT (4 lay
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -36,7 +37,7 @@ from sbpc.runtime.backend import make_backend
 from sbpc.runtime.runner import BatchSource, Runner
 
 MID = ["preset=tiny", "layers=4", "hidden=256", "heads=8", "seq=128"]
-DEFAULT_CONFIGS = [("tiny", [], 4), ("mid", MID, 8)]
+DEFAULT_CONFIGS = [("tiny", [], 4, 20), ("mid", MID, 8, 3)]  # name, --set values, batch size, steps per block
 EAGER_OPTIMIZERS = {"single": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
@@ -74,13 +75,13 @@ def time_block(step, batches) -> float:
     return (time.perf_counter() - start) / len(batches)
 
 
-def bench_config(name, sets, batch_size, args) -> list[tuple]:
+def bench_config(name, sets, batch_size, steps, args) -> list[tuple]:
     opt = OptimizerConfig()
     source = load_model(args.model, parse_sets(sets))
     plan, plan_step = plan_stepper(source, batch_size, opt)
     make = BatchSource(plan, 0)
     warm = [make(i) for i in range(args.warmup)]
-    batches = [make(args.warmup + i) for i in range(args.steps)]
+    batches = [make(args.warmup + i) for i in range(steps)]
     sides = {"plan": plan_step, **{f"eager {v}": eager_stepper(source, opt, v) for v in args.eager}}
     rows = []
     for threads in args.threads:
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                    help="model setting (repeatable); when given, only this config runs")
     p.add_argument("--batch-size", type=int, help="batch size (default 4 for tiny, 8 for mid)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per block (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side and thread count (default 3)")
+    p.add_argument("--steps", type=int, help="timed steps per block (default 20 for tiny, 3 for mid)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and thread count (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of blocks (default 5)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts (default 1 2)")
     p.add_argument("--eager", nargs="+", choices=list(EAGER_OPTIMIZERS), default=list(EAGER_OPTIMIZERS),
@@ -124,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if "single" not in args.eager:
         args.eager.insert(0, "single")
-    configs = [("custom", args.sets, args.batch_size or 4)] if args.sets else \
-        [(n, s, args.batch_size or b) for n, s, b in DEFAULT_CONFIGS]
+    configs = [("custom", args.sets, args.batch_size or 4, args.steps or 10)] if args.sets else \
+        [(n, s, args.batch_size or b, args.steps or k) for n, s, b, k in DEFAULT_CONFIGS]
+    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start")
     rows = []
-    for name, sets, batch_size in configs:
+    for name, sets, batch_size, steps in configs:
         print(f"== {name}: {args.model} {' '.join('--set ' + s for s in sets)} batch {batch_size}, "
-              f"{args.rounds} rounds x {args.steps} steps", flush=True)
-        rows += bench_config(name, sets, batch_size, args)
+              f"{args.rounds} rounds x {steps} steps", flush=True)
+        rows += bench_config(name, sets, batch_size, steps, args)
     print_table(rows)
+    print(f"load average {os.getloadavg()[0]:.2f} at end (a busy box distorts the 2-thread figures most)")
     return 0
 
 

@@ -18,8 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
+from sbpc.compiler.functionalize import functionalize
 from sbpc.compiler.init_record import InitRecorder
-from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind
+from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind, Ref
+from sbpc.compiler.ir.verify import is_mutating
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.optim import OptimizerConfig, append_optimizer
@@ -42,21 +44,36 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     imported = import_fx(gm, [value_name(n) for _, n, _ in entries])
     names = imported.names
     inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
+    nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
+    _refuse_input_mutation(nodes, inputs)
+    value = lambda fx_node: renamed.get(names[fx_node], names[fx_node])
     loss, *grads = imported.outputs
-    outputs = [GraphOutput(OutputKind.LOSS, names[loss], "loss")]
+    outputs = [GraphOutput(OutputKind.LOSS, value(loss), "loss")]
     for (fqn, _), g in zip(params, grads):
         if g is None:
             raise ModelError(f"parameter {fqn!r} does not receive a gradient from the loss",
                              hint="remove it, or freeze it with requires_grad_(False)")
-        outputs.append(GraphOutput(OutputKind.GRAD, names[g], fqn))
-    nodes = imported.nodes
+        outputs.append(GraphOutput(OutputKind.GRAD, value(g), fqn))
     grad_of = {o.name: o.value for o in outputs if o.kind == OutputKind.GRAD}
-    plist = [(i.name, i.value, i.type, grad_of[i.name]) for i in inputs if i.kind == InputKind.PARAM]
+    made_at = {o: n.loc for n in init_nodes for o in n.outputs}
+    created = {o.name: made_at.get(o.value) for o in init_outputs}
+    plist = [(i.name, i.value, i.type, grad_of[i.name], created.get(i.name)) for i in inputs if i.kind == InputKind.PARAM]
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
     inputs, outputs = _canonical_order(inputs, outputs)
     name = os.path.splitext(os.path.basename(source.path))[0].replace("-", "_").replace(".", "_")
     return Graph(name=name if name.isidentifier() else "model", mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
+
+
+def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
+    by_value = {i.value: i for i in inputs}
+    for n in nodes:
+        target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
+        if target in by_value and is_mutating(n.op):
+            i = by_value[target]
+            raise ModelError(f"forward() updates {i.kind.value} {i.name!r} in place ({n.op})", location=str(n.loc) if n.loc else None,
+                             hint="state updated during forward (e.g. BatchNorm running stats) is not supported yet; "
+                                  "use LayerNorm, or call .eval() on that module in build_model")
 
 
 def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):

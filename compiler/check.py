@@ -15,7 +15,7 @@ import torch
 from sbpc.compiler.model_loader import ModelSource
 from sbpc.compiler.optim import OptimizerConfig
 from sbpc.runtime.plan import Plan
-from sbpc.runtime.runner import BatchSource, Runner
+from sbpc.runtime.runner import BatchSource, Runner, step_seed
 
 
 @dataclass
@@ -95,8 +95,9 @@ def run_check(plan: Plan, source: ModelSource, runner: Runner, optimizer: Optimi
     batches = BatchSource(plan, seed)
     for step in range(steps):
         batch = batches(step)
-        result = runner.step(batch, keep_grads=True)
+        result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
         opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step_seed(seed, step))
         loss = model(*batch)
         loss.backward()
         row = StepRow(str(step), result.loss, float(loss.detach()), Deviation(), Deviation(), Deviation())

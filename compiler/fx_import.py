@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,13 +145,23 @@ def _forward_locations(gm: torch.fx.GraphModule) -> dict[str, SourceLoc]:
 def _location(n: torch.fx.Node) -> SourceLoc | None:
     module = (n.meta.get("custom") or {}).get(MODULE_KEY, "")
     frames = _FRAME_RE.findall(n.meta.get("stack_trace") or "")
-    user = [(f, int(line)) for f, line in frames if _is_user_file(f)]
+    user = [(f, int(line)) for f, line in frames if is_user_file(f)]
     if not user:
         return SourceLoc(module, "?", 0) if module else None
     file, line = user[-1]
     return SourceLoc(module, display_path(file), line)
 
 
-def _is_user_file(filename: str) -> bool:
+def caller_location() -> SourceLoc | None:
+    """The innermost frame of the current stack that is the user's code (not torch, not sbpc)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return SourceLoc("", display_path(frame.f_code.co_filename), frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     return not path.startswith(_LIBRARY_DIRS) and not path.startswith(_SBPC_DIRS) and not filename.startswith("<")

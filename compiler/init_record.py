@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sbpc.compiler.fx_import import MAX_CONSTANT_NUMEL, convert_arg, tensor_type
-from sbpc.compiler.ir.types import DType, GraphOutput, Node, OutputKind, Ref, Role
+from sbpc.compiler.fx_import import MAX_CONSTANT_NUMEL, caller_location, convert_arg, tensor_type
+from sbpc.compiler.ir.types import DType, GraphOutput, Node, OutputKind, Ref, Role, SourceLoc
 from sbpc.errors import CaptureError
 
 
@@ -30,6 +30,7 @@ class _Recorded:
     arg_tensors: list[torch.Tensor]
     mutates: bool
     random: bool
+    loc: SourceLoc | None = None
 
 
 class InitRecorder(TorchDispatchMode):
@@ -62,7 +63,7 @@ class InitRecorder(TorchDispatchMode):
         rec_kwargs = {k: _map(conv, v) for k, v in kwargs.items()}
         random = any(a.name == "generator" for a in func._schema.arguments)
         self.ops.append(_Recorded(str(func), rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
-                                  mutates, random))
+                                  mutates, random, caller_location()))
         return out
 
     def _record_constant(self, t: torch.Tensor) -> None:
@@ -98,7 +99,7 @@ class InitRecorder(TorchDispatchMode):
                     raise CaptureError(f"the init of the model uses a tensor sbpc did not see created ({rec.op})",
                                        hint="create parameters with torch factories and init functions, or load weights with --weights")
             nodes.append(Node(outputs=rec.outputs, op=rec.op, args=rec.args, kwargs=rec.kwargs,
-                              types=[tensor_type(t) for t in rec.out_tensors], role=Role.INIT))
+                              types=[tensor_type(t) for t in rec.out_tensors], role=Role.INIT, loc=rec.loc))
         return nodes, outputs
 
     def _find(self, name: str, t: torch.Tensor) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.fx_import import import_fx
-from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, TensorType
+from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType
 from sbpc.errors import CompileError
 
 _TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
@@ -80,16 +80,19 @@ def _template(cfg: OptimizerConfig):
     return import_fx(gm)
 
 
-def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorType, str]],
+def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorType, str, SourceLoc | None]],
                      inputs: list[GraphInput], nodes: list[Node], outputs: list[GraphOutput]) -> None:
-    """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad)`` params."""
+    """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad, loc)`` params.
+
+    A parameter's update ops carry its module path and the line that created it."""
     tpl = _template(cfg)
     step_in, step_out = "opt_step", "opt_step_next"
     step_type = TensorType((), "f64")
     inputs.append(GraphInput(InputKind.STATE, step_in, step_type, "step"))
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
     outputs.append(GraphOutput(OutputKind.UPDATE, step_out, "step"))
-    for i, (fqn, value, ttype, grad) in enumerate(params):
+    for i, (fqn, value, ttype, grad, loc) in enumerate(params):
+        loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
         states = [(f"{s}_{i}", f"{s}:{fqn}") for s in cfg.state_names]
         for sval, sname in states:
             inputs.append(GraphInput(InputKind.STATE, sval, ttype, sname))
@@ -97,7 +100,7 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
         for n in tpl.nodes:
             rename.update({o: f"opt{i}_{o}" for o in n.outputs})
             nodes.append(Node([rename[o] for o in n.outputs], n.op, _rename(n.args, rename), _rename(n.kwargs, rename),
-                              [_retype(t, ttype) for t in n.types], Role.OPTIMIZER))
+                              [_retype(t, ttype) for t in n.types], Role.OPTIMIZER, loc=loc))
         results = [rename[tpl.names[o]] for o in tpl.outputs]
         outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
         outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))

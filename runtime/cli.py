@@ -23,7 +23,7 @@ def run_command(args: argparse.Namespace, out=sys.stdout) -> int:
 
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.plan import load_plan
-    from sbpc.runtime.runner import BatchSource, Runner
+    from sbpc.runtime.runner import BatchSource, Runner, step_seed
     from sbpc.runtime.weights import load_weights, save_weights
 
     if args.steps < 0:
@@ -37,7 +37,7 @@ def run_command(args: argparse.Namespace, out=sys.stdout) -> int:
     batches = BatchSource(plan, args.seed)
     start = time.perf_counter()
     for step in range(args.steps):
-        result = runner.step(batches(step))
+        result = runner.step(batches(step), rng_seed=step_seed(args.seed, step))
         print(f"step {step}: loss {result.loss:.6f}", file=out)
     elapsed = time.perf_counter() - start
     if args.steps:

@@ -43,8 +43,13 @@ class Runner:
         self.states = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
         self._loss = self.program.slot(stage.loss)
 
-    def step(self, batch: tuple[torch.Tensor, ...], keep_grads: bool = False) -> StepResult:
+    def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
+             keep_grads: bool = False) -> StepResult:
+        """One training step. ``rng_seed`` seeds torch's RNG first, so dropout masks are those of
+        an eager step seeded the same way (the program draws them in eager's order)."""
         self._check_batch(batch)
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
                *(b.to(self.backend.device) for b in batch)]
         env = self.program.run(env)
@@ -69,6 +74,11 @@ class Runner:
 def batch_seed(seed: int, step: int) -> int:
     """The torch seed before ``example_batch`` of a step; `sbpc check` uses the same."""
     return seed * 1_000_003 + step + 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed before a step's forward (dropout); `sbpc check` seeds eager the same."""
+    return seed * 1_000_003 + step + 500_000
 
 
 class BatchSource:

@@ -29,7 +29,7 @@ def compile_example(name: str, **kw):
     from sbpc.compiler.model_loader import load_model
     from sbpc.compiler.optim import OptimizerConfig
 
-    key = (name, tuple(sorted(kw.items())))
+    key = (name, repr(sorted(kw.items())))
     if key not in _compiled:
         os.chdir(ROOT)
         optimizer = kw.pop("optimizer", OptimizerConfig())

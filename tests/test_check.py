@@ -68,3 +68,17 @@ def test_check_detects_a_wrong_plan():
     report = run_check(broken, source, runner, optimizer, steps=1, seed=0, tolerance=TOL)
     assert not report.passed
     assert "FAIL" in report.table()
+
+
+def test_dropout_masks_match_eager():
+    """CPU dropout is empty_like + bernoulli_ + div_: functionalized, seeded per step, exact."""
+    result, source, optimizer = compile_example("gpt.py", sets={"dropout": 0.1})
+    ops = {i.op for i in result.plan.stages[0].instructions}
+    assert "aten.bernoulli.p" in ops and "aten.bernoulli_.float" not in ops
+    runner = Runner(result.plan, make_backend("cpu"), seed=0)
+    report = run_check(result.plan, source, runner, optimizer, steps=2, seed=0, tolerance=TOL)
+    assert report.passed, report.table()
+    no_dropout = compile_example("gpt.py")
+    assert report.rows[1].loss_plan != pytest.approx(run_check(
+        no_dropout[0].plan, no_dropout[1], Runner(no_dropout[0].plan, make_backend("cpu"), seed=0), no_dropout[2],
+        steps=1, seed=0, tolerance=TOL).rows[1].loss_plan, abs=1e-6)  # dropout really is on

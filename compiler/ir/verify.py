@@ -36,7 +36,7 @@ def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutat
                 raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
         if len(n.types) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
-        if not allow_mutation and _mutates(n.op):
+        if not allow_mutation and is_mutating(n.op):
             raise IRError(f"{n.op} mutates a tensor in place, which a plan cannot express{where}", location=_loc(n),
                           hint="write the update out of place (x = x + y instead of x += y)")
         for o in n.outputs:
@@ -84,7 +84,7 @@ def _verify_annotations(graph: Graph, where: str) -> None:
                     raise IRError(f"{n.op} splits dim {s.dim} of a rank-{len(t.shape)} tensor{where}", location=_loc(n))
 
 
-def _mutates(op: str) -> bool:
+def is_mutating(op: str) -> bool:
     parts = op.split(".")
     return len(parts) >= 2 and parts[1].endswith("_") and not parts[1].startswith("_")
 

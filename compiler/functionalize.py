@@ -1,0 +1,100 @@
+"""Rewrite in-place ops on private temporaries into their out-of-place forms.
+
+Eager kernels often build a fresh tensor and fill it in place: CPU dropout is
+``empty_like`` + ``bernoulli_`` + ``div_``. When the mutated tensor is a temporary that nobody
+else can observe (not a graph input, not a view, no views of it), ``x.op_(...)`` followed by
+uses of ``x`` is the same as ``x2 = op(x, ...)`` followed by uses of ``x2``. Anything else
+stays in place, and the verifier then refuses it with the user's line.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import torch
+
+from sbpc.compiler.ir.types import Node, Ref
+
+
+def functionalize(nodes: list[Node], inputs: set[str]) -> tuple[list[Node], dict[str, str]]:
+    """The rewritten nodes, and the renaming that graph outputs must follow too."""
+    viewed = _aliased_values(nodes)
+    rename: dict[str, str] = {}
+    out = []
+    for n in nodes:
+        n = replace(n, args=_sub(n.args, rename), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
+        target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
+        functional = _functional_variant(n.op) if target and not n.outputs[1:] else None
+        if functional and target not in inputs and target not in viewed:
+            fresh = f"{n.outputs[0]}_f" if n.outputs else f"{target}_f{len(out)}"
+            if n.outputs:
+                rename[n.outputs[0]] = fresh  # the in-place op's own result aliases its input
+            rename[target] = fresh
+            n = replace(n, op=functional, outputs=[fresh], types=n.types or [_type_of(out, target)])
+        out.append(n)
+    return out, {old: _sub(Ref(old), rename).name for old in rename}
+
+
+def _type_of(nodes: list[Node], name: str):
+    for n in reversed(nodes):
+        if name in n.outputs:
+            return n.types[n.outputs.index(name)]
+    raise KeyError(name)
+
+
+def _aliased_values(nodes: list[Node]) -> set[str]:
+    """Values that are views, or have views: mutating them in place is observable elsewhere."""
+    out = set()
+    for n in nodes:
+        if _returns_alias(n.op):
+            out.update(n.outputs)
+            out.update(a.name for a in n.args[:1] if isinstance(a, Ref))
+    return out
+
+
+@lru_cache(maxsize=None)
+def _returns_alias(op: str) -> bool:
+    overload = _overload(op)
+    if overload is None or overload._schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in overload._schema.returns)
+
+
+@lru_cache(maxsize=None)
+def _functional_variant(op: str) -> str | None:
+    """``aten.bernoulli_.float`` -> ``aten.bernoulli.p``: the overload with the same arguments."""
+    overload = _overload(op)
+    if overload is None or not overload._schema.is_mutable:
+        return None
+    ns, packet, _ = op.split(".")
+    if not packet.endswith("_") or packet.startswith("_"):
+        return None
+    functional = getattr(getattr(torch.ops, ns), packet[:-1], None)
+    if functional is None:
+        return None
+    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments]
+    args = signature(overload._schema)
+    for name in functional.overloads():
+        candidate = getattr(functional, name)
+        if not candidate._schema.is_mutable and signature(candidate._schema) == args:
+            return f"{ns}.{packet[:-1]}.{name}"
+    return None
+
+
+def _overload(op: str):
+    try:
+        ns, packet, name = op.split(".")
+        return getattr(getattr(getattr(torch.ops, ns), packet), name)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _sub(a, rename):
+    if isinstance(a, Ref):
+        name = a.name
+        while name in rename:  # x -> x after bernoulli_ -> x after div_ ...
+            name = rename[name]
+        return Ref(name)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_sub(x, rename) for x in a)
+    return a
