@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, inspect, run, check, schema."""
+"""The `sbpc` command: compile, inspect, run, check, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,12 @@ def cmd_inspect(args) -> int:
     from sbpc.runtime.plan import load_plan
 
     plan = load_plan(args.plan)
+    if args.html:
+        from sbpc.compiler.report import write_report
+
+        write_report(plan, args.html)
+        print(f"wrote {args.html}")
+        return 0
     if args.ranks:
         for rank in range(plan.world_size):
             coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
@@ -89,6 +95,31 @@ def cmd_check(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_opt(args) -> int:
+    """Parse text IR, run passes over it, print the result (like mlir-opt / xdsl-opt)."""
+    from sbpc.compiler.ir.parser import parse_graph
+    from sbpc.compiler.ir.printer import print_graph
+    from sbpc.compiler.ir.verify import verify
+    from sbpc.compiler.pass_manager import CompileContext
+    from sbpc.compiler.passes import REGISTRY
+
+    if not os.path.isfile(args.file):
+        raise UsageError(f"IR file {args.file!r} does not exist", hint="pass a .sbpir file, e.g. one from --dump-dir")
+    with open(args.file) as f:
+        graph = parse_graph(f.read(), source=args.file)
+    verify(graph, after="parse")
+    names = [n.strip() for n in args.passes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise UsageError(f"unknown pass {unknown[0]!r}", hint="passes: " + ", ".join(REGISTRY))
+    ctx = CompileContext()
+    for name in names:
+        graph = REGISTRY[name]().apply(graph, ctx)
+        verify(graph, after=name)
+    sys.stdout.write(print_graph(graph))
+    return 0
+
+
 def cmd_schema(args) -> int:
     from sbpc.runtime.plan import Plan
 
@@ -107,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("plan")
     i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
     i.add_argument("--ranks", action="store_true", help="print the rank -> mesh coordinate map instead")
+    i.add_argument("--html", metavar="FILE", help="write a standalone HTML report of the plan instead")
     i.set_defaults(fn=cmd_inspect)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
@@ -119,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_check)
     s = sub.add_parser("schema", help="print the JSON Schema of the plan format")
     s.set_defaults(fn=cmd_schema)
-    for sp in (c, i, r, k, s):
+    o = sub.add_parser("opt", help="run passes over a text-IR file and print the result")
+    o.add_argument("file", help="a .sbpir file")
+    o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
+    o.set_defaults(fn=cmd_opt)
+    for sp in (c, i, r, k, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

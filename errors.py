@@ -12,11 +12,13 @@ class SbpcError(Exception):
 
     kind = "error"
 
-    def __init__(self, message: str, *, hint: str | None = None, location: str | None = None):
+    def __init__(self, message: str, *, hint: str | None = None, location: str | None = None,
+                 detail: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.location = location
+        self.detail = detail  # multi-line context (a source excerpt with a caret); shown with --debug
 
     def __str__(self) -> str:
         text = self.message
@@ -74,6 +76,8 @@ def guarded_main(body, argv_debug: bool, prog: str = "sbpc") -> int:
     except SbpcError as err:
         if argv_debug:
             traceback.print_exc()
+            if err.detail:
+                print(err.detail, file=sys.stderr)
         print(f"{prog}: {err.kind}: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `sbpc inspect plan.json | head` closed the pipe: not an error

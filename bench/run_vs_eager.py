@@ -1,8 +1,9 @@
 """Training steps/s of an sbpc plan vs eager PyTorch: same model, batches, AdamW and threads.
 
 One process. Both sides start from the same seeded weights and step through the same
-pre-generated batches (made with BatchSource outside the timed region). A timed block is
-`--steps` training steps of one side and nothing else:
+pre-generated batches (made with BatchSource outside the timed region). A timed block is a
+run of training steps of one side and nothing else (`--steps`, or as many as fill
+`--block-seconds` after warm-up):
 
   plan   runner.step(batch)        (forward, backward, AdamW update; returns the loss as float)
   eager  opt.zero_grad(set_to_none=True); loss = model(*batch); loss.backward(); opt.step();
@@ -10,7 +11,7 @@ pre-generated batches (made with BatchSource outside the timed region). A timed 
 
 Blocks are interleaved over `--rounds` rounds, alternating which side goes first, and the
 median block of each side is reported. The ratio is plan step time / eager step time
-(1.00 = parity, above 1 = the plan is slower).
+(1.00 = parity, above 1 = the plan is slower; the target is at most 1.10).
 
 Eager optimizers: `single` is AdamW(foreach=False), the path the plan reproduces bit for bit
 and also torch's default on CPU (torch only defaults to foreach on cuda/xpu); `foreach` and
@@ -37,8 +38,9 @@ from sbpc.runtime.backend import make_backend
 from sbpc.runtime.runner import BatchSource, Runner
 
 MID = ["preset=tiny", "layers=4", "hidden=256", "heads=8", "seq=128"]
-DEFAULT_CONFIGS = [("tiny", [], 4, 20), ("mid", MID, 8, 3)]  # name, --set values, batch size, steps per block
+DEFAULT_CONFIGS = [("tiny", [], 4), ("mid", MID, 8)]  # name, --set values, batch size
 EAGER_OPTIMIZERS = {"single": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+MIN_STEPS, MAX_STEPS = 3, 50  # bounds of the steps per block that --block-seconds picks
 
 
 def plan_stepper(source, batch_size: int, opt: OptimizerConfig):
@@ -75,39 +77,44 @@ def time_block(step, batches) -> float:
     return (time.perf_counter() - start) / len(batches)
 
 
-def bench_config(name, sets, batch_size, steps, args) -> list[tuple]:
+def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict[str, float], int]:
+    """Warm every side up, then interleave timed blocks; returns median s/step per side and steps per block."""
+    slowest = max(time_block(step, warm) for step in sides.values())
+    steps = args.steps or min(max(MIN_STEPS, round(args.block_seconds / slowest)), MAX_STEPS)
+    times = {side: [] for side in sides}
+    order = list(sides)
+    for _ in range(args.rounds):
+        for side in order:
+            times[side].append(time_block(sides[side], batches[:steps]))
+        order.reverse()
+    return {side: statistics.median(t) for side, t in times.items()}, steps
+
+
+def bench_config(name: str, sets: list[str], batch_size: int, args) -> list[tuple]:
     opt = OptimizerConfig()
     source = load_model(args.model, parse_sets(sets))
     plan, plan_step = plan_stepper(source, batch_size, opt)
     make = BatchSource(plan, 0)
     warm = [make(i) for i in range(args.warmup)]
-    batches = [make(args.warmup + i) for i in range(steps)]
+    batches = [make(args.warmup + i) for i in range(args.steps or MAX_STEPS)]
     sides = {"plan": plan_step, **{f"eager {v}": eager_stepper(source, opt, v) for v in args.eager}}
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for step in sides.values():
-            for batch in warm:
-                step(batch)
-        times = {side: [] for side in sides}
-        order = list(sides)
-        for _ in range(args.rounds):
-            for side in order:
-                times[side].append(time_block(sides[side], batches))
-            order.reverse()
-        med = {side: statistics.median(t) for side, t in times.items()}
-        for side in sides:
-            rows.append((name, batch_size, threads, side, med[side], med[side] / med["plan"]))
+        med, steps = measure(sides, warm, batches, args)
+        rows += [(name, batch_size, threads, steps, side, med[side], med["plan"] / med[side]) for side in sides]
         for v in args.eager:
-            print(f"[{name}, {threads} thread(s)] plan/eager step-time ratio = {med['plan'] / med[f'eager {v}']:.2f}"
-                  f"  (eager AdamW {v}{'; the path the plan matches' if v == 'single' else ''})", flush=True)
+            print(f"[{name}, {threads} thread(s), {args.rounds} x {steps} steps] plan/eager step-time ratio = "
+                  f"{med['plan'] / med[f'eager {v}']:.2f}  (eager AdamW {v}"
+                  f"{', the path the plan matches' if v == 'single' else ''})", flush=True)
     return rows
 
 
 def print_table(rows) -> None:
-    print(f"\n{'config':>6} {'batch':>5} {'threads':>7} {'side':>14} {'ms/step':>9} {'steps/s':>8} {'plan/this':>9}")
-    for name, batch, threads, side, sec, rel in rows:
-        print(f"{name:>6} {batch:>5} {threads:>7} {side:>14} {sec * 1e3:9.2f} {1 / sec:8.1f} {1 / rel:9.2f}")
+    print(f"\n{'config':>6} {'batch':>5} {'threads':>7} {'steps':>5} {'side':>14} {'ms/step':>9} {'steps/s':>8} "
+          f"{'plan/this':>9}")
+    for name, batch, threads, steps, side, sec, ratio in rows:
+        print(f"{name:>6} {batch:>5} {threads:>7} {steps:>5} {side:>14} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:9.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,23 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                    help="model setting (repeatable); when given, only this config runs")
     p.add_argument("--batch-size", type=int, help="batch size (default 4 for tiny, 8 for mid)")
-    p.add_argument("--steps", type=int, help="timed steps per block (default 20 for tiny, 3 for mid)")
+    p.add_argument("--steps", type=int, help="timed steps per block (default: as many as fit --block-seconds, "
+                                             f"{MIN_STEPS} to {MAX_STEPS})")
+    p.add_argument("--block-seconds", type=float, default=0.4, help="target length of a timed block (default 0.4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and thread count (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of blocks (default 5)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts (default 1 2)")
     p.add_argument("--eager", nargs="+", choices=list(EAGER_OPTIMIZERS), default=list(EAGER_OPTIMIZERS),
                    help="eager AdamW variants (default: single foreach fused)")
     args = p.parse_args(argv)
+    if args.warmup < 1 or args.rounds < 1 or (args.steps is not None and args.steps < 1):
+        p.error("--warmup, --rounds and --steps must be at least 1")
     if "single" not in args.eager:
         args.eager.insert(0, "single")
-    configs = [("custom", args.sets, args.batch_size or 4, args.steps or 10)] if args.sets else \
-        [(n, s, args.batch_size or b, args.steps or k) for n, s, b, k in DEFAULT_CONFIGS]
+    configs = [("custom", args.sets, args.batch_size or 4)] if args.sets else \
+        [(n, s, args.batch_size or b) for n, s, b in DEFAULT_CONFIGS]
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start")
     rows = []
-    for name, sets, batch_size, steps in configs:
-        print(f"== {name}: {args.model} {' '.join('--set ' + s for s in sets)} batch {batch_size}, "
-              f"{args.rounds} rounds x {steps} steps", flush=True)
-        rows += bench_config(name, sets, batch_size, steps, args)
+    for name, sets, batch_size in configs:
+        print(f"== {name}: {args.model} {' '.join('--set ' + s for s in sets)} --batch-size {batch_size}", flush=True)
+        rows += bench_config(name, sets, batch_size, args)
     print_table(rows)
     print(f"load average {os.getloadavg()[0]:.2f} at end (a busy box distorts the 2-thread figures most)")
     return 0

@@ -219,8 +219,8 @@ def parse_error(text: str, *patterns: str) -> IRError:
     with pytest.raises(IRError) as err:
         parse_graph(text, "model.ir")
     for p in patterns:
-        assert re.search(p, err.value.message + "\nhint: " + str(err.value.hint), re.M), \
-            f"{p!r} not in:\n{err.value.message}\nhint: {err.value.hint}"
+        text = f"{err.value.message}\n{err.value.detail}\nhint: {err.value.hint}"
+        assert re.search(p, text, re.M), f"{p!r} not in:\n{text}"
     return err.value
 
 

@@ -236,5 +236,7 @@ def _describe(terminal: str) -> str:
 
 def _error(text: str, source: str, line: int, col: int, what: str, hint: str) -> IRError:
     src_line = text.split("\n")[line - 1] if 0 < line <= text.count("\n") + 1 else ""
-    message = f"{source}:{line}:{col}: {what}\n    {src_line}\n    {' ' * (col - 1)}^"
-    return IRError(message, hint=hint)
+    excerpt = src_line.strip()
+    excerpt = excerpt if len(excerpt) <= 80 else excerpt[:77] + "..."
+    return IRError(f"{source}:{line}:{col}: {what}", hint=hint, detail=f"    {src_line}\n    {' ' * (col - 1)}^",
+                   location=f"line {line}: {excerpt}")

@@ -1,0 +1,79 @@
+"""The sbpc commands end to end, as a user runs them."""
+import json
+import re
+
+from conftest import sbpc
+from filecheck import filecheck
+
+
+def test_compile_is_deterministic(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert sbpc("compile", "examples/gpt.py", "-o", str(a)).returncode == 0
+    assert sbpc("compile", "examples/gpt.py", "-o", str(b)).returncode == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_compile_run_inspect(tmp_path):
+    plan = tmp_path / "plan.json"
+    out = sbpc("compile", "examples/mlp.py", "--set", "layers=3", "--batch-size", "8", "-o", str(plan))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"compiled examples/mlp\.py for mesh 1: \d+ instructions, 10,952 parameters", out.stdout)
+    run = sbpc("run", str(plan), "--steps", "3", "--save", str(tmp_path / "w.pt"))
+    assert run.returncode == 0, run.stderr
+    assert re.findall(r"step (\d): loss", run.stdout) == ["0", "1", "2"]
+    assert (tmp_path / "w.pt").exists()
+    text = sbpc("inspect", str(plan)).stdout
+    filecheck(text, """
+        CHECK: graph @mlp mesh<dp=1> {
+        CHECK: input batch %batch_0 : f32[8, 32] "batch.0" {sbp=[S(0)]}
+        CHECK: aten.addmm.default{{.*}}{role=fwd, stage=0, sbp=[[B]], loc="layers.0" @ "examples/mlp.py":
+        CHECK: role=bwd
+        CHECK: role=opt
+        CHECK: output loss
+        CHECK-NOT: init {
+        CHECK: // {{\\d+}} instructions; params
+    """)
+    assert "init {" in sbpc("inspect", str(plan), "--init").stdout
+    assert sbpc("inspect", str(plan), "--ranks").stdout.strip() == "rank 0: dp=0"
+
+
+def test_check_command_prints_the_table():
+    proc = sbpc("check", "examples/mlp.py", "--steps", "2", "--optimizer", "sgd", "--lr", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    filecheck(proc.stdout, """
+        CHECK: sbpc check examples/mlp.py on mesh 1: 2 steps, sgd, seed 0
+        CHECK-NEXT: step    loss (plan)   loss (eager)
+        CHECK-NEXT: init
+        CHECK-NEXT: 0
+        CHECK-NEXT: 1
+        CHECK-NEXT: largest deviation {{.*}}; tolerance 1e-05: PASS
+    """)
+
+
+def test_html_report(tmp_path):
+    plan, html = tmp_path / "plan.json", tmp_path / "plan.html"
+    assert sbpc("compile", "examples/mlp.py", "-o", str(plan)).returncode == 0
+    assert sbpc("inspect", str(plan), "--html", str(html)).returncode == 0
+    text = html.read_text()
+    assert "<h2>Stage 0 program" in text and "aten.addmm.default" in text and "layers.0.weight" in text
+
+
+def test_schema_is_json_schema_of_the_plan():
+    schema = json.loads(sbpc("schema").stdout)
+    assert schema["title"] == "Plan"
+    assert {"schema_version", "stages", "params", "init", "mesh"} <= set(schema["properties"])
+
+
+def test_opt_runs_passes_over_text_ir():
+    proc = sbpc("opt", "tests/golden/dce.sbpir", "-p", "dce,stage-partition")
+    assert proc.returncode == 0, proc.stderr
+    assert "%unused" not in proc.stdout and "{role=fwd, stage=0}" in proc.stdout
+
+
+def test_opt_reports_parse_errors_on_one_line(tmp_path):
+    bad = tmp_path / "bad.sbpir"
+    bad.write_text('graph @x mesh<dp=1> {\n  %a = aten.mm.default(%b : f32[2]\n}\n')
+    proc = sbpc("opt", str(bad))
+    assert proc.returncode == 2
+    assert re.fullmatch(r"sbpc: error: .*bad\.sbpir:2:27: unexpected ':', expected '\)' or ',' "
+                        r"\(at line 2: %a = aten\.mm\.default\(%b : f32\[2\]\); hint: .*\n", proc.stderr)
