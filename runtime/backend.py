@@ -15,7 +15,11 @@ from sbpc.errors import PlanError, UsageError
 
 
 class Communicator(ABC):
-    """Collectives over the process groups of mesh axes. One instance per rank."""
+    """Collectives over process groups, one instance per rank.
+
+    A group is the tuple of global ranks along one mesh axis (e.g. the tp ranks of a dp row);
+    the plan names groups, the communicator owns the transport (gloo, NCCL).
+    """
 
     rank: int
     world_size: int
@@ -24,19 +28,58 @@ class Communicator(ABC):
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...], op: str = "sum") -> torch.Tensor: ...
 
     @abstractmethod
+    def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def reduce_scatter(self, t: torch.Tensor, group: tuple[int, ...], dim: int, op: str = "sum") -> torch.Tensor: ...
+
+    @abstractmethod
+    def all_to_all(self, t: torch.Tensor, group: tuple[int, ...], split_dim: int, concat_dim: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def send(self, t: torch.Tensor, peer: int) -> None: ...
+
+    @abstractmethod
+    def recv(self, shape: list[int], dtype: torch.dtype, peer: int) -> torch.Tensor: ...
+
+    @abstractmethod
     def barrier(self) -> None: ...
 
 
 class LocalCommunicator(Communicator):
-    """The communicator of a one-device mesh: every group is this rank alone."""
+    """The communicator of a one-device mesh: every group is this rank alone, so every
+    collective is the identity and there is no peer to send to."""
 
     rank = 0
     world_size = 1
 
-    def all_reduce(self, t, group, op="sum"):
+    def _only_me(self, group: tuple[int, ...]) -> None:
         if tuple(group) != (0,):
-            raise PlanError(f"a one-process run cannot reduce over ranks {group}")
+            raise PlanError(f"a one-process run cannot communicate with ranks {tuple(group)}",
+                            hint="launch as many ranks as the plan's mesh has devices")
+
+    def all_reduce(self, t, group, op="sum"):
+        self._only_me(group)
         return t
+
+    def all_gather(self, t, group, dim):
+        self._only_me(group)
+        return t
+
+    def reduce_scatter(self, t, group, dim, op="sum"):
+        self._only_me(group)
+        return t
+
+    def all_to_all(self, t, group, split_dim, concat_dim):
+        self._only_me(group)
+        return t
+
+    def send(self, t, peer):
+        self._only_me((peer,))
+
+    def recv(self, shape, dtype, peer):
+        self._only_me((peer,))
+        raise PlanError("a one-process run has nothing to receive")
 
     def barrier(self) -> None:
         pass

@@ -97,3 +97,16 @@ def test_runtime_never_imports_the_compiler(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "step 1: loss" in proc.stdout
     assert "COMPILER []" in proc.stdout
+
+
+def test_local_communicator_is_identity_and_refuses_peers():
+    from sbpc.errors import PlanError
+
+    comm = LocalCommunicator()
+    t = torch.arange(4.0)
+    assert comm.all_reduce(t, (0,)) is t and comm.all_gather(t, (0,), 0) is t
+    assert comm.reduce_scatter(t, (0,), 0) is t and comm.all_to_all(t, (0,), 0, 0) is t
+    with pytest.raises(PlanError, match=r"cannot communicate with ranks \(0, 1\)"):
+        comm.all_reduce(t, (0, 1))
+    with pytest.raises(PlanError, match=r"cannot communicate with ranks \(1,\)"):
+        comm.send(t, 1)
