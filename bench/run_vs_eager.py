@@ -40,7 +40,7 @@ from sbpc.runtime.runner import BatchSource, Runner
 MID = ["preset=tiny", "layers=4", "hidden=256", "heads=8", "seq=128"]
 DEFAULT_CONFIGS = [("tiny", [], 4), ("mid", MID, 8)]  # name, --set values, batch size
 EAGER_OPTIMIZERS = {"single": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-MIN_STEPS, MAX_STEPS = 3, 50  # bounds of the steps per block that --block-seconds picks
+MIN_STEPS, MAX_STEPS = 1, 50  # bounds of the steps per block that --block-seconds picks
 
 
 def plan_stepper(source, batch_size: int, opt: OptimizerConfig):
@@ -77,9 +77,13 @@ def time_block(step, batches) -> float:
     return (time.perf_counter() - start) / len(batches)
 
 
-def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict[str, float], int]:
-    """Warm every side up, then interleave timed blocks; returns median s/step per side and steps per block."""
-    slowest = max(time_block(step, warm) for step in sides.values())
+def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict[str, float], int, float]:
+    """Warm every side up, then interleave timed blocks.
+
+    Returns the median s/step of each side, the steps per block and the slowest warm-up s/step."""
+    for step in sides.values():
+        time_block(step, warm)
+    slowest = max(time_block(step, warm[-1:]) for step in sides.values())  # one warm step each, to size blocks
     steps = args.steps or min(max(MIN_STEPS, round(args.block_seconds / slowest)), MAX_STEPS)
     times = {side: [] for side in sides}
     order = list(sides)
@@ -87,7 +91,7 @@ def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict[str, flo
         for side in order:
             times[side].append(time_block(sides[side], batches[:steps]))
         order.reverse()
-    return {side: statistics.median(t) for side, t in times.items()}, steps
+    return {side: statistics.median(t) for side, t in times.items()}, steps, slowest
 
 
 def bench_config(name: str, sets: list[str], batch_size: int, args) -> list[tuple]:
@@ -98,10 +102,14 @@ def bench_config(name: str, sets: list[str], batch_size: int, args) -> list[tupl
     warm = [make(i) for i in range(args.warmup)]
     batches = [make(args.warmup + i) for i in range(args.steps or MAX_STEPS)]
     sides = {"plan": plan_step, **{f"eager {v}": eager_stepper(source, opt, v) for v in args.eager}}
-    rows = []
+    rows, first = [], None
     for threads in args.threads:
         torch.set_num_threads(threads)
-        med, steps = measure(sides, warm, batches, args)
+        med, steps, slowest = measure(sides, warm, batches, args)
+        first = first or (threads, slowest)
+        if threads > first[0] and slowest > 1.5 * first[1]:
+            print(f"warning: warm-up at {threads} threads is {slowest / first[1]:.0f}x slower than at {first[0]}; "
+                  "other processes hold the cores, so these figures are mostly scheduling noise", flush=True)
         rows += [(name, batch_size, threads, steps, side, med[side], med["plan"] / med[side]) for side in sides]
         for v in args.eager:
             print(f"[{name}, {threads} thread(s), {args.rounds} x {steps} steps] plan/eager step-time ratio = "
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, help="batch size (default 4 for tiny, 8 for mid)")
     p.add_argument("--steps", type=int, help="timed steps per block (default: as many as fit --block-seconds, "
                                              f"{MIN_STEPS} to {MAX_STEPS})")
-    p.add_argument("--block-seconds", type=float, default=0.4, help="target length of a timed block (default 0.4)")
+    p.add_argument("--block-seconds", type=float, default=0.5, help="target length of a timed block (default 0.5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and thread count (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of blocks (default 5)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts (default 1 2)")

@@ -13,16 +13,22 @@ from functools import lru_cache
 
 import torch
 
-from sbpc.compiler.ir.types import Node, Ref
+from sbpc.compiler.ir.types import Node, Ref, rename_uses
 
 
 def functionalize(nodes: list[Node], inputs: set[str]) -> tuple[list[Node], dict[str, str]]:
     """The rewritten nodes, and the renaming that graph outputs must follow too."""
     viewed = _aliased_values(nodes)
     rename: dict[str, str] = {}
+
+    def resolve(name: str) -> str:
+        while name in rename:  # x -> x after bernoulli_ -> x after div_ ...
+            name = rename[name]
+        return name
+
     out = []
     for n in nodes:
-        n = replace(n, args=_sub(n.args, rename), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
+        n = rename_uses(n, resolve)
         target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
         functional = _functional_variant(n.op) if target and not n.outputs[1:] else None
         if functional and target not in inputs and target not in viewed:
@@ -32,7 +38,7 @@ def functionalize(nodes: list[Node], inputs: set[str]) -> tuple[list[Node], dict
             rename[target] = fresh
             n = replace(n, op=functional, outputs=[fresh], types=n.types or [_type_of(out, target)])
         out.append(n)
-    return out, {old: _sub(Ref(old), rename).name for old in rename}
+    return out, {old: resolve(old) for old in rename}
 
 
 def _type_of(nodes: list[Node], name: str):
@@ -87,14 +93,3 @@ def _overload(op: str):
         return getattr(getattr(getattr(torch.ops, ns), packet), name)
     except (ValueError, AttributeError):
         return None
-
-
-def _sub(a, rename):
-    if isinstance(a, Ref):
-        name = a.name
-        while name in rename:  # x -> x after bernoulli_ -> x after div_ ...
-            name = rename[name]
-        return Ref(name)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_sub(x, rename) for x in a)
-    return a

@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.fx_import import import_fx
-from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType
+from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType, map_refs
 from sbpc.errors import CompileError
 
 _TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
@@ -76,8 +76,11 @@ def _template(cfg: OptimizerConfig):
     update = _adamw(cfg) if cfg.kind == "adamw" else _sgd(cfg)
     shape = _TEMPLATE_SHAPE
     example = [torch.zeros(shape) for _ in range(2 + len(cfg.state_names))] + [torch.zeros((), dtype=torch.float64)]
-    gm = make_fx(lambda *a: update(*a))(*example)
-    return import_fx(gm)
+    tpl = import_fx(make_fx(lambda *a: update(*a))(*example))
+    for n in tpl.nodes:  # stamping per parameter only rewrites types, so no op may name a shape
+        if any(isinstance(a, list) and tuple(a) == shape for a in (*n.args, *n.kwargs.values())):
+            raise CompileError(f"the {cfg.kind} update uses a shape literal ({n.op}); it cannot be stamped per parameter")
+    return tpl
 
 
 def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorType, str, SourceLoc | None]],
@@ -99,8 +102,9 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
         rename = dict(zip((tpl.names[p] for p in tpl.placeholders), [value, grad, *(s for s, _ in states), step_out]))
         for n in tpl.nodes:
             rename.update({o: f"opt{i}_{o}" for o in n.outputs})
-            nodes.append(Node([rename[o] for o in n.outputs], n.op, _rename(n.args, rename), _rename(n.kwargs, rename),
-                              [_retype(t, ttype) for t in n.types], Role.OPTIMIZER, loc=loc))
+            nodes.append(Node([rename[o] for o in n.outputs], n.op, map_refs(n.args, rename.__getitem__),
+                              map_refs(n.kwargs, rename.__getitem__), [_retype(t, ttype) for t in n.types],
+                              Role.OPTIMIZER, loc=loc))
         results = [rename[tpl.names[o]] for o in tpl.outputs]
         outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
         outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))
@@ -112,15 +116,3 @@ def _retype(t: TensorType, param: TensorType) -> TensorType:
     if t.shape == ():
         return t
     raise CompileError(f"optimizer template produced an unexpected shape {t.shape}")
-
-
-def _rename(a, rename: dict[str, str]):
-    if isinstance(a, Ref):
-        return Ref(rename[a.name])
-    if isinstance(a, dict):
-        return {k: _rename(v, rename) for k, v in a.items()}
-    if isinstance(a, (list, tuple)):
-        if list(a) == list(_TEMPLATE_SHAPE):
-            raise CompileError("optimizer template has a shape literal; it cannot be stamped per parameter")
-        return type(a)(_rename(x, rename) for x in a)
-    return a

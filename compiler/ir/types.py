@@ -12,8 +12,8 @@ buffers (factories and in-place random fills), replayed by the runtime from a se
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
 
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.sbp import NdSbp
@@ -126,6 +126,21 @@ class Node:
     def uses(self) -> Iterator[str]:
         yield from _refs(self.args)
         yield from _refs(tuple(self.kwargs.values()))
+
+
+def map_refs(a: Any, fn: Callable[[str], str]) -> Any:
+    """``a`` with every ``Ref`` renamed by ``fn``, through lists, tuples and dicts."""
+    if isinstance(a, Ref):
+        return Ref(fn(a.name))
+    if isinstance(a, dict):
+        return {k: map_refs(v, fn) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return type(a)(map_refs(x, fn) for x in a)
+    return a
+
+
+def rename_uses(n: Node, fn: Callable[[str], str]) -> Node:
+    return replace(n, args=map_refs(n.args, fn), kwargs=map_refs(n.kwargs, fn))
 
 
 def _refs(args: Any) -> Iterator[str]:

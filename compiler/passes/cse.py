@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.ir.types import Graph, Node, Ref
+from sbpc.compiler.ir.types import Graph, Node, rename_uses
 
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "poisson", "exponential")
 
@@ -23,7 +23,7 @@ class CommonSubexpressionElimination:
         rename: dict[str, str] = {}
         nodes = []
         for n in graph.nodes:
-            n = replace(n, args=_sub(n.args, rename), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
+            n = rename_uses(n, lambda v: rename.get(v, v))
             key = _key(n)
             first = seen.get(key) if key is not None else None
             if first is not None and first.types == n.types:
@@ -48,11 +48,3 @@ def _freeze(a):
     if isinstance(a, float):
         return ("float", repr(a))  # 1 and 1.0 and True must not merge
     return (type(a).__name__, a)
-
-
-def _sub(a, rename):
-    if isinstance(a, Ref):
-        return Ref(rename.get(a.name, a.name))
-    if isinstance(a, (list, tuple)):
-        return type(a)(_sub(x, rename) for x in a)
-    return a

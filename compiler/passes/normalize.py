@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.ir.types import Graph, Node, Ref
+from sbpc.compiler.ir.types import Graph, Node, rename_uses
 
 # (captured op, neutral op, positional parameter names after the tensors' defaults)
 _ATTENTION = {
@@ -27,7 +27,7 @@ class Normalize:
         rename: dict[str, str] = {}
         nodes: list[Node] = []
         for n in graph.nodes:
-            n = _rewire(n, rename)
+            n = rename_uses(n, lambda v: rename.get(v, v))
             if n.op in _IDENTITY:
                 src = n.args[0]
                 rename[n.outputs[0]] = src.name
@@ -46,17 +46,3 @@ def _neutral_attention(n: Node) -> Node:
     is_causal = bool(args[ntensors + 1])
     kwargs = {"attn_mask": n.kwargs.get("attn_mask"), "scale": n.kwargs.get("scale")}
     return replace(n, op=op, args=tuple(args[:ntensors]) + (dropout_p, is_causal), kwargs=kwargs)
-
-
-def _rewire(n: Node, rename: dict[str, str]) -> Node:
-    if not rename:
-        return n
-    return replace(n, args=tuple(_sub(a, rename) for a in n.args), kwargs={k: _sub(v, rename) for k, v in n.kwargs.items()})
-
-
-def _sub(a, rename):
-    if isinstance(a, Ref):
-        return Ref(rename.get(a.name, a.name))
-    if isinstance(a, list):
-        return [_sub(x, rename) for x in a]
-    return a
