@@ -2,7 +2,7 @@
 
 Each compile runs as `sbpc compile` in a fresh process; the parent waits for it with
 os.wait4, so the peak RSS is that child's own ru_maxrss. Wall time includes interpreter
-start and `import torch` (about 2-4 s here); `sbpc total` is the compiler's own timer
+start and `import torch` (4-6 s here); `sbpc total` is the compiler's own timer
 (capture + passes + lowering), read from the command's output.
 
     .venv/bin/python bench/compile_bench.py            # tiny 1.3b 1t
