@@ -35,13 +35,16 @@ class Runner:
         self.plan, self.backend = plan, backend
         stage = plan.stages[0]
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
-        self.program = Program(stage.instructions, [s.value for s in specs], backend)
+        # outputs: the loss, then each param's gradient and update, then each state's update
+        outputs = [stage.loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
+                   *(s.update for s in plan.states)]
+        self.program = Program(stage.instructions, [s.value for s in specs], outputs, backend,
+                               name=f"stage{stage.stage}")
         tensors = weights if weights is not None else init_weights(plan, backend, seed)
         dev = backend.device
         self.params = {p.name: tensors[p.name].to(dev) for p in plan.params}
         self.buffers = {b.name: tensors[b.name].to(dev) for b in plan.buffers}
         self.states = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
-        self._loss = self.program.slot(stage.loss)
 
     def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
              keep_grads: bool = False) -> StepResult:
@@ -52,12 +55,12 @@ class Runner:
             torch.manual_seed(rng_seed)
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
                *(b.to(self.backend.device) for b in batch)]
-        env = self.program.run(env)
-        slot = self.program.slot
-        grads = {p.name: env[slot(p.grad)] for p in self.plan.params} if keep_grads else {}
-        self.params = {p.name: env[slot(p.update)] for p in self.plan.params}
-        self.states = {s.name: env[slot(s.update)] for s in self.plan.states}
-        return StepResult(loss=float(env[self._loss]), grads=grads)
+        loss, *rest = self.program.run(env)
+        n = len(self.plan.params)
+        grads = dict(zip(self.params, rest[:n])) if keep_grads else {}
+        self.params = dict(zip(self.params, rest[n:2 * n]))
+        self.states = dict(zip(self.states, rest[2 * n:]))
+        return StepResult(loss=float(loss), grads=grads)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {**self.params, **self.buffers}

@@ -16,13 +16,10 @@ def init_weights(plan: Plan, backend: Backend, seed: int) -> dict[str, torch.Ten
     """The weights of ``torch.manual_seed(seed); build_model()``, bit for bit."""
     gen = torch.Generator(device=backend.device)
     gen.manual_seed(seed)
-    program = Program(plan.init.instructions, [], backend)
-    for st in program.steps:
-        schema = getattr(st.fn, "_schema", None)
-        if schema is not None and any(a.name == "generator" for a in schema.arguments):
-            st.kwargs = {**st.kwargs, "generator": gen}
-    env = program.run([])
-    return {name: env[program.slot(value)] for name, value in plan.init.outputs.items()}
+    names = list(plan.init.outputs)
+    program = Program(plan.init.instructions, [], [plan.init.outputs[n] for n in names], backend,
+                      generator=gen, name="init")
+    return dict(zip(names, program.run([])))
 
 
 def load_weights(path: str, plan: Plan) -> dict[str, torch.Tensor]:
