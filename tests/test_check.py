@@ -5,6 +5,7 @@ from conftest import compile_example
 from sbpc.compiler.check import run_check
 from sbpc.compiler.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
+from sbpc.runtime.plan import RefArg
 from sbpc.runtime.runner import Runner
 
 TOL = 1e-5  # max relative deviation, fp32 (the bar); on one device we measure 0.0
@@ -82,3 +83,12 @@ def test_dropout_masks_match_eager():
     assert report.rows[1].loss_plan != pytest.approx(run_check(
         no_dropout[0].plan, no_dropout[1], Runner(no_dropout[0].plan, make_backend("cpu"), seed=0), no_dropout[2],
         steps=1, seed=0, tolerance=TOL).rows[1].loss_plan, abs=1e-6)  # dropout really is on
+
+
+def test_hf_gpt2_with_sdpa_attention_and_an_explicit_mask():
+    result, source, optimizer = compile_example("hf_gpt2.py", sets={"attn": "sdpa"})
+    attn = [i for i in result.plan.stages[0].instructions if i.op == "sbpc.attention"]
+    assert len(attn) == 2 and all(isinstance(i.kwargs["attn_mask"], RefArg) for i in attn)
+    runner = Runner(result.plan, make_backend("cpu"), seed=0)
+    report = run_check(result.plan, source, runner, optimizer, steps=2, seed=0, tolerance=TOL)
+    assert report.passed, report.table()

@@ -110,3 +110,12 @@ def test_local_communicator_is_identity_and_refuses_peers():
         comm.all_reduce(t, (0, 1))
     with pytest.raises(PlanError, match=r"cannot communicate with ranks \(1,\)"):
         comm.send(t, 1)
+
+
+def test_batches_need_the_model_file_recorded_in_the_plan(tmp_path):
+    from sbpc.errors import ModelError
+
+    plan = compile_example("mlp.py")[0].plan
+    moved = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(tmp_path / "gone.py")})})
+    with pytest.raises(ModelError, match=r"the plan's model file '.*gone\.py' is not here"):
+        BatchSource(moved, 0)
