@@ -92,8 +92,12 @@ def _build(source: ModelSource) -> torch.nn.Module:
     except SbpcError:
         raise
     except Exception as err:
+        hint = "build_model must run under plain PyTorch; it is called with fake tensors"
+        if "Couldn't swap" in str(err):  # torch cannot swap fake parameters in Module._apply
+            hint = ("converting a built module (.to(dtype), .half(), .double()) does not work on fake tensors; "
+                    "create the parameters in their dtype instead (dtype= arguments or torch.set_default_dtype)")
         raise ModelError(f"build_model() failed: {type(err).__name__}: {err}", location=user_location(err, source.path),
-                         hint="build_model must run under plain PyTorch; it is called with fake tensors") from err
+                         hint=hint) from err
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"build_model() in {source.path} returned {type(model).__name__}, not an nn.Module", hint=CONTRACT_HINT)
     return model.train()

@@ -8,13 +8,14 @@ compare against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.fx_import import import_fx
-from sbpc.compiler.ir.types import GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType, map_refs
+from sbpc.compiler.ir.types import DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType, map_refs
 from sbpc.errors import CompileError
 
 _TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
@@ -72,10 +73,13 @@ def _sgd(cfg: OptimizerConfig):
     return update
 
 
-def _template(cfg: OptimizerConfig):
+@lru_cache(maxsize=None)
+def _template(cfg: OptimizerConfig, dtype: str):
+    """The update traced once per optimizer and parameter dtype."""
     update = _adamw(cfg) if cfg.kind == "adamw" else _sgd(cfg)
     shape = _TEMPLATE_SHAPE
-    example = [torch.zeros(shape) for _ in range(2 + len(cfg.state_names))] + [torch.zeros((), dtype=torch.float64)]
+    example = [torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype])) for _ in range(2 + len(cfg.state_names))]
+    example.append(torch.zeros((), dtype=torch.float64))
     tpl = import_fx(make_fx(lambda *a: update(*a))(*example))
     for n in tpl.nodes:  # stamping per parameter only rewrites types, so no op may name a shape
         if any(isinstance(a, list) and tuple(a) == shape for a in (*n.args, *n.kwargs.values())):
@@ -88,13 +92,13 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
     """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad, loc)`` params.
 
     A parameter's update ops carry its module path and the line that created it."""
-    tpl = _template(cfg)
     step_in, step_out = "opt_step", "opt_step_next"
     step_type = TensorType((), "f64")
     inputs.append(GraphInput(InputKind.STATE, step_in, step_type, "step"))
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
     outputs.append(GraphOutput(OutputKind.UPDATE, step_out, "step"))
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
+        tpl = _template(cfg, ttype.dtype)
         loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
         states = [(f"{s}_{i}", f"{s}:{fqn}") for s in cfg.state_names]
         for sval, sname in states:

@@ -79,3 +79,9 @@ def test_1t_preset_compiles_on_this_machine(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "1,009,349,478,400 parameters" in proc.stdout
     assert out.stat().st_size < 50e6
+
+
+def test_optimizer_ops_take_the_parameter_dtype():
+    graph = capture(load_model("tests/models/to_dtype.py", {"convert": False}), parse_mesh("1"), 2, OptimizerConfig())
+    opt = [n for n in graph.nodes if n.role == Role.OPTIMIZER and n.types[0].shape == (8, 8)]
+    assert opt and {n.types[0].dtype for n in opt} == {"bf16"}

@@ -93,3 +93,9 @@ def test_debug_shows_the_traceback():
     proc = sbpc("compile", "tests/models/no_build.py", "--debug")
     assert proc.returncode == 2
     assert "Traceback" in proc.stderr and "has no function build_model()" in proc.stderr
+
+
+def test_converting_a_built_module_explains_the_fake_tensor_limit():
+    proc = sbpc("compile", "tests/models/to_dtype.py")
+    assert_one_line_error(proc, r"build_model\(\) failed: .*Couldn't swap Linear\.weight \(at tests/models/to_dtype\.py:9\).*"
+                                r"create the parameters in their dtype instead")
