@@ -7,7 +7,7 @@ import os
 import sys
 
 from sbpc.errors import UsageError, guarded_main
-from sbpc.runtime.cli import add_run_arguments, run_command
+from sbpc.runtime.cli import ArgumentParser, add_run_arguments, run_command
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,7 +128,7 @@ def cmd_schema(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sbpc", description="Compile single-device PyTorch training into a distributed plan.")
+    p = ArgumentParser(prog="sbpc", description="Compile single-device PyTorch training into a distributed plan.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="compile a model file into a plan")
     _model_arguments(c)

@@ -93,3 +93,4 @@ def guarded_main(body, argv_debug: bool, prog: str = "sbpc") -> int:
         print(f"{prog}: internal error: {type(err).__name__}: {first}; hint: rerun with --debug and report the trace",
               file=sys.stderr)
         return 3
+

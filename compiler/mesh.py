@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from sbpc.errors import UsageError
+from sbpc.runtime.plan import mesh_coords
 
 POSITIONAL_AXES = ("dp", "tp", "pp")
 KNOWN_AXES = ("pp", "dp", "cp", "tp")  # rank order: outermost first
@@ -50,11 +51,7 @@ class Mesh:
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices")
-        out: dict[str, int] = {}
-        for name, size in reversed(self.axes):
-            out[name] = rank % size
-            rank //= size
-        return {n: out[n] for n, _ in self.axes}
+        return mesh_coords(list(self.axes), rank)
 
     def rank(self, coords: dict[str, int]) -> int:
         r = 0

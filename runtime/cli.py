@@ -8,6 +8,14 @@ import time
 from sbpc.errors import UsageError, guarded_main
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line with a hint and exit code 2, like every sbpc error."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}; hint: see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON written by `sbpc compile`")
     p.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
@@ -49,7 +57,7 @@ def run_command(args: argparse.Namespace, out=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sbpc-run", description="Run a compiled sbpc plan.")
+    p = ArgumentParser(prog="sbpc-run", description="Run a compiled sbpc plan.")
     add_run_arguments(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)

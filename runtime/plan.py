@@ -149,11 +149,16 @@ class Plan(_Model):
         return math.prod(a.size for a in self.mesh)
 
     def coords(self, rank: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for axis in reversed(self.mesh):
-            out[axis.name] = rank % axis.size
-            rank //= axis.size
-        return {a.name: out[a.name] for a in self.mesh}
+        return mesh_coords([(a.name, a.size) for a in self.mesh], rank)
+
+
+def mesh_coords(axes: list[tuple[str, int]], rank: int) -> dict[str, int]:
+    """Mesh coordinates of ``rank``; ``axes`` in rank order, outermost first (row-major)."""
+    out: dict[str, int] = {}
+    for name, size in reversed(axes):
+        out[name] = rank % size
+        rank //= size
+    return {name: out[name] for name, _ in axes}
 
 
 def save_plan(plan: Plan, path: str) -> None:

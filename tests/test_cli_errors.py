@@ -99,3 +99,12 @@ def test_converting_a_built_module_explains_the_fake_tensor_limit():
     proc = sbpc("compile", "tests/models/to_dtype.py")
     assert_one_line_error(proc, r"build_model\(\) failed: .*Couldn't swap Linear\.weight \(at tests/models/to_dtype\.py:9\).*"
                                 r"create the parameters in their dtype instead")
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["compile", "examples/mlp.py", "--batch-size", "x"], r"sbpc compile: error: argument --batch-size: invalid int value: 'x'"),
+    (["compile", "examples/mlp.py", "--frob"], r"unrecognized arguments: --frob"),
+    ([], r"the following arguments are required: command"),
+])
+def test_usage_errors_are_one_line_too(argv, pattern):
+    assert_one_line_error(sbpc(*argv), pattern)
