@@ -57,10 +57,6 @@ class RuntimeFailure(SbpcError):
     """Executing a plan failed; the message names the instruction and the user's line."""
 
 
-class CheckFailure(SbpcError):
-    """`sbpc check` found the plan and eager PyTorch disagree beyond the tolerance."""
-
-
 class WeightsError(SbpcError):
     """A weights file is missing, unreadable, or does not match the plan's parameters."""
 

@@ -24,19 +24,14 @@ class Pass(Protocol):
 
 @dataclass
 class CompileContext:
-    """What passes share: options, diagnostics and results that are not IR."""
+    """What passes share: options and results that are not IR."""
 
     verify: bool = True
     print_after: set[str] = field(default_factory=set)
     print_after_all: bool = False
     dump_dir: str | None = None
     log: TextIO = field(default_factory=lambda: sys.stderr)
-    warnings: list[str] = field(default_factory=list)
     estimates: dict[str, int] = field(default_factory=dict)
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-        print(f"sbpc: warning: {message}", file=self.log)
 
 
 class PassManager:

@@ -183,9 +183,6 @@ class Graph:
             types.update(zip(n.outputs, n.types))
         return types
 
-    def producers(self) -> dict[str, Node]:
-        return {o: n for n in self.nodes for o in n.outputs}
-
     def outputs_of(self, kind: OutputKind) -> list[GraphOutput]:
         return [o for o in self.outputs if o.kind == kind]
 
