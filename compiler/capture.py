@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -21,10 +20,11 @@ from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_na
 from sbpc.compiler.functionalize import functionalize
 from sbpc.compiler.init_record import InitRecorder
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind, Ref
-from sbpc.compiler.ir.verify import is_mutating
+from sbpc.compiler.aten import is_mutating
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.optim import OptimizerConfig, append_optimizer
+from sbpc.runtime.model_file import model_name
 from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
@@ -60,8 +60,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     plist = [(i.name, i.value, i.type, grad_of[i.name], created.get(i.name)) for i in inputs if i.kind == InputKind.PARAM]
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
     inputs, outputs = _canonical_order(inputs, outputs)
-    name = os.path.splitext(os.path.basename(source.path))[0].replace("-", "_").replace(".", "_")
-    return Graph(name=name if name.isidentifier() else "model", mesh=mesh, inputs=inputs, nodes=nodes,
+    return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
 
 

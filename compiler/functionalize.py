@@ -9,10 +9,8 @@ stays in place, and the verifier then refuses it with the user's line.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 
-import torch
-
+from sbpc.compiler.aten import functional_variant, returns_alias
 from sbpc.compiler.ir.types import Node, Ref, rename_uses
 
 
@@ -30,7 +28,7 @@ def functionalize(nodes: list[Node], inputs: set[str]) -> tuple[list[Node], dict
     for n in nodes:
         n = rename_uses(n, resolve)
         target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
-        functional = _functional_variant(n.op) if target and not n.outputs[1:] else None
+        functional = functional_variant(n.op) if target and not n.outputs[1:] else None
         if functional and target not in inputs and target not in viewed:
             fresh = f"{n.outputs[0]}_f" if n.outputs else f"{target}_f{len(out)}"
             if n.outputs:
@@ -52,44 +50,7 @@ def _aliased_values(nodes: list[Node]) -> set[str]:
     """Values that are views, or have views: mutating them in place is observable elsewhere."""
     out = set()
     for n in nodes:
-        if _returns_alias(n.op):
+        if returns_alias(n.op):
             out.update(n.outputs)
             out.update(a.name for a in n.args[:1] if isinstance(a, Ref))
     return out
-
-
-@lru_cache(maxsize=None)
-def _returns_alias(op: str) -> bool:
-    overload = _overload(op)
-    if overload is None or overload._schema.is_mutable:
-        return False
-    return any(r.alias_info is not None for r in overload._schema.returns)
-
-
-@lru_cache(maxsize=None)
-def _functional_variant(op: str) -> str | None:
-    """``aten.bernoulli_.float`` -> ``aten.bernoulli.p``: the overload with the same arguments."""
-    overload = _overload(op)
-    if overload is None or not overload._schema.is_mutable:
-        return None
-    ns, packet, _ = op.split(".")
-    if not packet.endswith("_") or packet.startswith("_"):
-        return None
-    functional = getattr(getattr(torch.ops, ns), packet[:-1], None)
-    if functional is None:
-        return None
-    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments]
-    args = signature(overload._schema)
-    for name in functional.overloads():
-        candidate = getattr(functional, name)
-        if not candidate._schema.is_mutable and signature(candidate._schema) == args:
-            return f"{ns}.{packet[:-1]}.{name}"
-    return None
-
-
-def _overload(op: str):
-    try:
-        ns, packet, name = op.split(".")
-        return getattr(getattr(getattr(torch.ops, ns), packet), name)
-    except (ValueError, AttributeError):
-        return None

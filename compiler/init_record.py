@@ -61,7 +61,7 @@ class InitRecorder(TorchDispatchMode):
         conv = lambda a: Ref(self._name(a)) if isinstance(a, torch.Tensor) else convert_arg(a, None)
         rec_args = tuple(_map(conv, a) for a in args)
         rec_kwargs = {k: _map(conv, v) for k, v in kwargs.items()}
-        random = any(a.name == "generator" for a in func._schema.arguments)
+        random = torch.Tag.nondeterministic_seeded in func.tags
         self.ops.append(_Recorded(str(func), rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
                                   mutates, random, caller_location()))
         return out
@@ -79,7 +79,11 @@ class InitRecorder(TorchDispatchMode):
 
     def to_init_region(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[Node], list[GraphOutput]]:
         """Nodes that build ``named`` tensors (params and buffers), dead ops removed."""
-        outputs = [GraphOutput(OutputKind.INIT, self._find(name, t), name) for name, t in named]
+        by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for rec in self.ops:
+            for value, out in zip(rec.outputs, rec.out_tensors):
+                by_storage.setdefault(_storage(out), []).append((value, out))
+        outputs = [GraphOutput(OutputKind.INIT, _find(name, t, by_storage), name) for name, t in named]
         needed = {_storage(t) for _, t in named}
         kept: list[_Recorded] = []
         for rec in reversed(self.ops):
@@ -102,13 +106,14 @@ class InitRecorder(TorchDispatchMode):
                               types=[tensor_type(t) for t in rec.out_tensors], role=Role.INIT, loc=rec.loc))
         return nodes, outputs
 
-    def _find(self, name: str, t: torch.Tensor) -> str:
-        for rec in self.ops:
-            for value, out in zip(rec.outputs, rec.out_tensors):
-                if _same_view(out, t):
-                    return value
-        raise CaptureError(f"cannot tell how {name!r} was built: it is a view into a larger tensor",
-                           hint="make each parameter its own tensor, or load weights with --weights")
+
+def _find(name: str, t: torch.Tensor, by_storage: dict) -> str:
+    """The first recorded value that is exactly ``t`` (same storage, shape, strides, offset)."""
+    for value, out in by_storage.get(_storage(t), ()):
+        if _same_view(out, t):
+            return value
+    raise CaptureError(f"cannot tell how {name!r} was built: it is a view into a larger tensor",
+                       hint="make each parameter its own tensor, or load weights with --weights")
 
 
 def _storage(t: torch.Tensor) -> int:

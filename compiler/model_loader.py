@@ -7,7 +7,6 @@ A model file is plain PyTorch. It defines ``build_model(**kw)`` (a module whose
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import os
 import sys
@@ -17,6 +16,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from sbpc.errors import ModelError, UsageError
+from sbpc.runtime.model_file import import_model_file
 
 CONTRACT_HINT = "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) -> tuple of tensors"
 
@@ -65,14 +65,8 @@ def _parse_value(raw: str) -> Any:
 def load_model(path: str, sets: dict[str, Any] | None = None) -> ModelSource:
     if not os.path.isfile(path):
         raise ModelError(f"model file {path!r} does not exist", hint="pass the path of a .py file that defines build_model")
-    name = "_sbpc_model_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ModelError(f"cannot import model file {path!r}", hint="the model file must be a Python source file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look modules up by name
     try:
-        spec.loader.exec_module(module)
+        module = import_model_file(path, "_sbpc_model_")
     except SyntaxError as err:
         raise ModelError(f"syntax error in model file: {err.msg}", location=f"{path}:{err.lineno}",
                          hint="fix the Python syntax") from err

@@ -12,6 +12,7 @@ from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Graph, GraphInput
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.sbp import parse_sbp
 from sbpc.runtime import plan as P
+from sbpc.runtime.model_file import model_name
 
 
 def raise_plan(plan: P.Plan) -> Graph:
@@ -22,8 +23,7 @@ def raise_plan(plan: P.Plan) -> Graph:
     outputs = [GraphOutput(OutputKind.LOSS, plan.stages[0].loss, "loss")]
     outputs += [GraphOutput(OutputKind.GRAD, p.grad, p.name) for p in plan.params]
     outputs += [GraphOutput(OutputKind.UPDATE, s.update, s.name) for s in [*plan.params, *plan.states]]
-    name = plan.model.path.rsplit("/", 1)[-1].removesuffix(".py").replace("-", "_").replace(".", "_")
-    return Graph(name=name if name.isidentifier() else "model", mesh=mesh, inputs=inputs, nodes=nodes, outputs=outputs,
+    return Graph(name=model_name(plan.model.path), mesh=mesh, inputs=inputs, nodes=nodes, outputs=outputs,
                  init=[_node(i) for i in plan.init.instructions],
                  init_outputs=[GraphOutput(OutputKind.INIT, v, k) for k, v in plan.init.outputs.items()])
 

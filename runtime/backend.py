@@ -103,17 +103,24 @@ class Backend(ABC):
         own = self.kernels()
         if op in own:
             return own[op]
-        namespace, _, rest = op.partition(".")
-        packet, _, overload = rest.partition(".")
-        try:
-            return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-        except (AttributeError, RuntimeError) as err:
+        kernel = torch_op(op)
+        if kernel is None:
             raise PlanError(f"backend {self.name} has no kernel for op {op}",
-                            hint="the plan was compiled by a newer torch or sbpc; recompile it here") from err
+                            hint="the plan was compiled by a newer torch or sbpc; recompile it here")
+        return kernel
 
     @abstractmethod
     def kernels(self) -> dict[str, Callable]:
         """Backend-specific kernels of the device-neutral ``sbpc.*`` ops."""
+
+
+def torch_op(op: str):
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``, or None when torch has no such op."""
+    try:
+        namespace, packet, overload = op.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (ValueError, AttributeError, RuntimeError):
+        return None
 
 
 def make_backend(name: str, communicator: Communicator | None = None) -> Backend:

@@ -5,9 +5,7 @@ The runtime never imports the compiler. It imports the model file only to call
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +13,7 @@ import torch
 from sbpc.errors import ModelError, RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
+from sbpc.runtime.model_file import import_model_file
 from sbpc.runtime.plan import Plan
 from sbpc.runtime.weights import init_weights
 
@@ -76,12 +75,13 @@ class Runner:
 
 def batch_seed(seed: int, step: int) -> int:
     """The torch seed before ``example_batch`` of a step; `sbpc check` uses the same."""
-    return seed * 1_000_003 + step + 1
+    return 2 * (seed * 1_000_003 + step)
 
 
 def step_seed(seed: int, step: int) -> int:
-    """The torch seed before a step's forward (dropout); `sbpc check` seeds eager the same."""
-    return seed * 1_000_003 + step + 500_000
+    """The torch seed before a step's forward (dropout); `sbpc check` seeds eager the same.
+    Odd where batch seeds are even, so the two streams never share a seed."""
+    return 2 * (seed * 1_000_003 + step) + 1
 
 
 class BatchSource:
@@ -92,12 +92,7 @@ class BatchSource:
         if not os.path.isfile(path):
             raise ModelError(f"the plan's model file {path!r} is not here; it is needed for example_batch()",
                              hint="run from the directory the plan was compiled in, or copy the model file along")
-        name = "_sbpc_batches_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        self.fn = module.example_batch
+        self.fn = import_model_file(path, "_sbpc_batches_").example_batch
         self.plan, self.seed = plan, seed
 
     def __call__(self, step: int) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,7 @@ inside the tensor's rank.
 """
 from __future__ import annotations
 
+from sbpc.compiler.aten import is_mutating
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind
 from sbpc.compiler.sbp import Split
 from sbpc.errors import IRError
@@ -82,11 +83,6 @@ def _verify_annotations(graph: Graph, where: str) -> None:
             for s in nd:
                 if isinstance(s, Split) and not 0 <= s.dim < len(t.shape):
                     raise IRError(f"{n.op} splits dim {s.dim} of a rank-{len(t.shape)} tensor{where}", location=_loc(n))
-
-
-def is_mutating(op: str) -> bool:
-    parts = op.split(".")
-    return len(parts) >= 2 and parts[1].endswith("_") and not parts[1].startswith("_")
 
 
 def _loc(n: Node) -> str | None:

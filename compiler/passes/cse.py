@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from sbpc.compiler.aten import is_random
 from sbpc.compiler.ir.types import Graph, Node, rename_uses
-
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "poisson", "exponential")
 
 
 @dataclass
@@ -37,7 +36,7 @@ class CommonSubexpressionElimination:
 
 
 def _key(n: Node):
-    if any(word in n.op for word in _RANDOM):
+    if is_random(n.op):
         return None
     return (n.op, _freeze(n.args), _freeze(sorted(n.kwargs.items())))
 

@@ -1,0 +1,54 @@
+"""What the compiler asks of an operator, answered from its torch schema and tags.
+
+``sbpc.*`` ops have no torch schema: they are pure, deterministic and alias nothing.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from sbpc.runtime.backend import torch_op
+
+
+@lru_cache(maxsize=None)
+def is_mutating(op: str) -> bool:
+    overload = torch_op(op)
+    return overload is not None and overload._schema.is_mutable
+
+
+@lru_cache(maxsize=None)
+def is_random(op: str) -> bool:
+    """Draws from the RNG: two calls are two draws, and dropping one shifts the stream."""
+    overload = torch_op(op)
+    return overload is not None and torch.Tag.nondeterministic_seeded in overload.tags
+
+
+@lru_cache(maxsize=None)
+def returns_alias(op: str) -> bool:
+    """A view op: its result shares storage with its first input."""
+    overload = torch_op(op)
+    if overload is None or overload._schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in overload._schema.returns)
+
+
+@lru_cache(maxsize=None)
+def functional_variant(op: str) -> str | None:
+    """``aten.bernoulli_.float`` -> ``aten.bernoulli.p``: the out-of-place overload taking the same arguments."""
+    overload = torch_op(op)
+    if overload is None or not overload._schema.is_mutable:
+        return None
+    ns, packet, _ = op.split(".")
+    if not packet.endswith("_") or packet.startswith("_"):
+        return None
+    functional = getattr(getattr(torch.ops, ns), packet[:-1], None)
+    if functional is None:
+        return None
+    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments]
+    args = signature(overload._schema)
+    for name in functional.overloads():
+        candidate = getattr(functional, name)
+        if not candidate._schema.is_mutable and signature(candidate._schema) == args:
+            return f"{ns}.{packet[:-1]}.{name}"
+    return None
