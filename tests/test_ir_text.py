@@ -13,7 +13,7 @@ from sbpc.compiler.ir.types import (
     SourceLoc, Sym, TensorType,
 )
 from sbpc.compiler.mesh import Mesh
-from sbpc.compiler.sbp import Broadcast, Partial, Split
+from sbpc.runtime.sbp import Broadcast, Partial, Split
 from sbpc.errors import IRError
 
 F32 = "f32"

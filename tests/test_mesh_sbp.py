@@ -3,7 +3,7 @@ import pytest
 
 from sbpc.compiler.mesh import Mesh, parse_mesh
 from sbpc.compiler.model_loader import parse_sets
-from sbpc.compiler.sbp import Broadcast, Partial, Split, format_nd_sbp, parse_sbp
+from sbpc.runtime.sbp import Broadcast, Partial, Split, format_nd_sbp, parse_sbp
 from sbpc.errors import UsageError
 
 
@@ -53,7 +53,7 @@ def test_parse_sbp(text, value):
 
 @pytest.mark.parametrize("bad", ["S", "S(x)", "P(min)", "b", "Split(0)", ""])
 def test_bad_sbp(bad):
-    with pytest.raises(UsageError, match=r"bad SBP .*hint: write S\(dim\), B, P or P\(max\)"):
+    with pytest.raises(UsageError, match=r"bad SBP .*hint: write S\(dim\), S\(dim:blocks\), B, P or P\(max\)"):
         parse_sbp(bad)
 
 

@@ -20,7 +20,7 @@ from sbpc.compiler.ir.types import (
     SourceLoc, Sym, TensorType,
 )
 from sbpc.compiler.mesh import Mesh
-from sbpc.compiler.sbp import parse_sbp
+from sbpc.runtime.sbp import parse_sbp
 from sbpc.errors import IRError, UsageError
 
 _FORMAT_HINT = "the text IR format is described in sbpc/compiler/ir/printer.py"

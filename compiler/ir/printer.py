@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from sbpc.compiler.ir.types import DType, Graph, GraphInput, GraphOutput, Node, Ref, Sym
-from sbpc.compiler.sbp import NdSbp, format_nd_sbp
+from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 from sbpc.errors import IRError
 
 

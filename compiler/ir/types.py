@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from sbpc.compiler.mesh import Mesh
-from sbpc.compiler.sbp import NdSbp
+from sbpc.runtime.sbp import NdSbp
 
 DTYPES = {
     "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sbpc.compiler.aten import is_mutating
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind
-from sbpc.compiler.sbp import Split
+from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, InputKind
-from sbpc.compiler.sbp import Broadcast, Split
+from sbpc.runtime.sbp import Broadcast, Split
 from sbpc.errors import CompileError
 
 

@@ -1,0 +1,59 @@
+"""Where a rank sits in the mesh: its coordinate on each axis and its groups along each axis.
+
+Plans name mesh axes ("tp"), never ranks; a rank turns an axis into the tuple of global ranks
+it communicates with here. Rank order puts the first axis outermost (row-major).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sbpc.runtime.plan import mesh_coords
+
+
+@dataclass(frozen=True)
+class Topology:
+    axes: tuple[tuple[str, int], ...]  # (name, size) in rank order, outermost first
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, s in self.axes:
+            n *= s
+        return n
+
+    @property
+    def sbp_axes(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes if n != "pp")
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return mesh_coords(list(self.axes), self.rank)
+
+    def size(self, axis: str) -> int:
+        return dict(self.axes).get(axis, 1)
+
+    def index(self, axis: str) -> int:
+        return self.coords.get(axis, 0)
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        r = 0
+        for name, size in self.axes:
+            r = r * size + coords.get(name, 0)
+        return r
+
+    def group(self, axis: str) -> tuple[int, ...]:
+        """The global ranks along ``axis`` through this rank, in axis order."""
+        here = self.coords
+        return tuple(self.rank_of({**here, axis: i}) for i in range(self.size(axis)))
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along ``axis``, each in axis order, sorted by first rank."""
+        seen = {Topology(self.axes, r).group(axis) for r in range(self.world_size)}
+        return sorted(seen)
+
+    def sbp_coords(self) -> tuple[int, ...]:
+        return tuple(self.index(a) for a in self.sbp_axes)
+
+    def sbp_sizes(self) -> tuple[int, ...]:
+        return tuple(self.size(a) for a in self.sbp_axes)
