@@ -244,7 +244,7 @@ def test_error_unknown_dtype_in_argument():
 
 def test_error_bad_sbp_in_attrs():
     parse_error(edit("sbp=[[B]]", "sbp=[[S(x)]]"), r"^model\.ir:5:85: bad SBP 'S\(x\)'$",
-                r"sbp=\[\[S\(x\)\]\]", r"^ {88}\^$", r"hint: write S\(dim\), B, P or P\(max\)")
+                r"sbp=\[\[S\(x\)\]\]", r"^ {88}\^$", r"hint: write S\(dim\), S\(dim:blocks\), B, P or P\(max\)")
     parse_error(edit("sbp=[[B]]", "sbp=[[B, Q]]"), r"^model\.ir:5:88: bad SBP 'Q'$")
     parse_error(edit("{sbp=[S(0)]}", "{sbp=[P(min)]}"), r"^model\.ir:3:53: bad SBP 'P\(min\)'$")
 
