@@ -18,8 +18,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.functionalize import functionalize
+from sbpc.compiler.hint_op import hint_op, hint_inputs
+from sbpc.compiler.hints import ACTIVE, HintRecorder, ParallelConfig, format_spec
 from sbpc.compiler.init_record import InitRecorder
-from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind, Ref
+from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind, Ref, rename_uses
 from sbpc.compiler.aten import is_mutating
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
@@ -28,23 +30,40 @@ from sbpc.runtime.model_file import model_name
 from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
-def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig) -> Graph:
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        recorder = InitRecorder()
-        with recorder:
-            model = _build(source)
-        batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        buffers = frozen + list(model.named_buffers())
-        gm = _trace_joint(model, source, params, buffers, batch)
-        init_nodes, init_outputs = recorder.to_init_region(params + buffers)
+def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
+            config: ParallelConfig | None = None) -> Graph:
+    """The joint graph of ``source``. Hints (``sbpc.shard`` calls and ``config``) become
+    ``sbpc.hint`` ops: on parameters right after the inputs, on activations where they occur."""
+    config = config or ParallelConfig()
+    hints = HintRecorder()
+    token = ACTIVE.set(hints)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            recorder = InitRecorder()
+            with recorder:
+                model = _build(source)
+            config.check_modules([n for n, _ in model.named_modules()])
+            batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+            buffers = frozen + list(model.named_buffers())
+            param_hints = config.param_hints([n for n, _ in params])
+            param_hints.update({n: hints.params[id(p)] for n, p in params if id(p) in hints.params})
+            with _module_output_hints(model, config):
+                gm = _trace_joint(model, source, params, buffers, batch)
+            init_nodes, init_outputs = recorder.to_init_region(params + buffers)
+    finally:
+        ACTIVE.reset(token)
     entries = [(InputKind.PARAM, n, p) for n, p in params] + [(InputKind.BUFFER, n, b) for n, b in buffers]
     entries += [(InputKind.BATCH, f"batch.{i}", b) for i, b in enumerate(batch)]
     imported = import_fx(gm, [value_name(n) for _, n, _ in entries])
     names = imported.names
     inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
     nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
+    hinted = hint_inputs(inputs, param_hints)
+    if hinted:
+        to_hint = {n.args[0].name: n.outputs[0] for n in hinted}
+        nodes = hinted + [rename_uses(n, lambda v: to_hint.get(v, v)) for n in nodes]
     _refuse_input_mutation(nodes, inputs)
     value = lambda fx_node: renamed.get(names[fx_node], names[fx_node])
     loss, *grads = imported.outputs
@@ -169,3 +188,28 @@ def _module_paths(model: torch.nn.Module):
             h.remove()
         while stack:
             stack.pop()[1].close()
+
+
+@contextlib.contextmanager
+def _module_output_hints(model: torch.nn.Module, config: ParallelConfig):
+    """Pin the output (its first tensor) of every module a ``[modules]`` glob names."""
+    handles = []
+    for path, module in model.named_modules():
+        hint = config.module_hint(path)
+        if hint is None:
+            continue
+
+        def post(mod, args, out, hint=hint):
+            spec = format_spec(hint.axes)
+            if isinstance(out, torch.Tensor):
+                return hint_op(out, spec, hint.source)
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                return (hint_op(out[0], spec, hint.source), *out[1:])
+            return out
+
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

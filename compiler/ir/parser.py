@@ -135,8 +135,8 @@ class _Build(Transformer):
                               "put positional arguments first")
             else:
                 pos.append(a)
-        role, stage, sbp, loc = attrs
-        return Node(outputs, str(op), tuple(pos), kw, types, role, loc, stage, sbp)
+        role, stage, sbp, sbp_in, loc = attrs
+        return Node(outputs, str(op), tuple(pos), kw, types, role, loc, stage, sbp, sbp_in)
 
     def results(self, *values):
         return [v[1:] for v in values]
@@ -144,8 +144,8 @@ class _Build(Transformer):
     def types(self, *types):
         return [_type(t) for t in types]
 
-    def attrs(self, role, stage, sbp, loc):
-        return _enum(Role, role, "role"), None if stage is None else int(stage), sbp, loc
+    def attrs(self, role, stage, sbp, sbp_in, loc):
+        return _enum(Role, role, "role"), None if stage is None else int(stage), sbp, sbp_in, loc
 
     def sbp_list(self, *nds):
         return list(nds)

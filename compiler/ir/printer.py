@@ -72,6 +72,8 @@ def format_attrs(n: Node) -> str:
         attrs.append(f"stage={n.stage}")
     if n.sbp is not None:
         attrs.append(f"sbp={_sbp_list(n.sbp)}")
+    if n.sbp_in is not None:
+        attrs.append(f"sbp_in={_sbp_list(n.sbp_in)}")
     if n.loc is not None:
         attrs.append(f"loc={json.dumps(n.loc.module)} @ {json.dumps(n.loc.file)}:{n.loc.line}")
     return ", ".join(attrs)

@@ -122,6 +122,8 @@ class Node:
     loc: SourceLoc | None = None
     stage: int | None = None  # placement: the pipeline stage
     sbp: list[NdSbp] | None = None  # one nd-SBP per output
+    sbp_in: list[NdSbp] | None = None  # the nd-SBP it needs of each tensor use, in uses() order
+    why: str | None = None  # how propagation chose its signature (`sbpc explain`); not in the text IR
 
     def uses(self) -> Iterator[str]:
         yield from _refs(self.args)
@@ -158,6 +160,7 @@ class GraphInput:
     type: TensorType
     name: str  # param/buffer FQN, "exp_avg:h.0.attn.c_attn.weight", or "batch.0"
     sbp: NdSbp | None = None
+    why: str | None = None  # where its SBP came from (`sbpc explain`); not in the text IR
 
 
 @dataclass

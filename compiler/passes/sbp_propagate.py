@@ -1,34 +1,240 @@
-"""sbp-propagate: choose an nd-SBP for every tensor.
+"""sbp-propagate: choose an nd-SBP for every value and the signature of every op.
 
-On a mesh whose SBP axes all have size 1 every signature is valid and none moves data, so
-every value is ``B`` on each axis and batch inputs are ``S(0)`` on dp. Meshes with a larger
-dp/tp axis need the rule-driven, cost-based propagation of the SBP issue; until it lands they
-are refused here rather than compiled wrong.
+Inputs are fixed first: hinted parameters take their hint (``sbpc.hint`` ops on inputs),
+optimizer state follows its parameter, batch inputs are ``S(0)`` on dp, everything else
+``B``. Each op then picks among its candidate nd-signatures (``sbp_layout``) the one of least
+cost: the boxing its inputs need, priced by the cost model, plus its compute. A greedy pass
+in program order is followed by rounds of coordinate descent in which each op also sees what
+its consumers need, until no op can lower the total. Ties go to fewer partial results, then
+to the rule's order, so the result is deterministic.
+
+Axes of size one carry ``B`` everywhere. Results: ``Node.sbp`` (per output), ``Node.sbp_in``
+(what the op needs of each input; the boxing pass makes it so), and ``why`` for explain.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import sys
+from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.ir.types import Graph, InputKind
-from sbpc.runtime.sbp import Broadcast, Split
+from sbpc.compiler.boxing_plan import boxing_cost
+from sbpc.compiler.cost_model import AlphaBeta, CostModel
+from sbpc.compiler.hint_op import OP as HINT_OP
+from sbpc.compiler.hints import parse_spec_string
+from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
+from sbpc.compiler.sbp_layout import Layouts, NdSignature
+from sbpc.compiler.sbp_rules import RuleBook
 from sbpc.errors import CompileError
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp, local_shape
 
 
 @dataclass
 class SbpPropagate:
     name: str = "sbp-propagate"
+    cost_model: CostModel = field(default_factory=AlphaBeta)
+    rules: RuleBook | None = None  # default: ir_specs/aten.sbp
+    rounds: int = 6
 
     def apply(self, graph: Graph, ctx) -> Graph:
-        mesh = graph.mesh
-        big = [f"{a}={mesh.size(a)}" for a in mesh.sbp_axes if mesh.size(a) > 1]
-        if big:
-            raise CompileError(f"mesh {mesh} needs SBP propagation across devices ({', '.join(big)}), "
-                               "which is not implemented yet", hint="compile with --mesh 1 for now")
-        bcast = tuple(Broadcast() for _ in mesh.sbp_axes)
-        inputs = [replace(i, sbp=self._input_sbp(i.kind, mesh.sbp_axes)) for i in graph.inputs]
-        nodes = [replace(n, sbp=[bcast] * len(n.outputs)) for n in graph.nodes]
-        return replace(graph, inputs=inputs, nodes=nodes)
+        axes = graph.mesh.sbp_axes
+        sizes = tuple(graph.mesh.size(a) for a in axes)
+        if all(k == 1 for k in sizes):
+            return _all_broadcast(graph, axes)
+        rules = self.rules or RuleBook.load()
+        _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
+        layouts = Layouts(graph, rules, sizes)
+        solver = _Solver(graph, layouts, sizes, self.cost_model)
+        solver.fix_inputs()
+        solver.greedy()
+        for _ in range(self.rounds):
+            if not solver.refine():
+                break
+        return solver.result()
 
-    @staticmethod
-    def _input_sbp(kind: InputKind, axes: tuple[str, ...]):
-        return tuple(Split(0) if kind == InputKind.BATCH and a == "dp" else Broadcast() for a in axes)
+
+def _all_broadcast(graph: Graph, axes) -> Graph:
+    b = tuple(Broadcast() for _ in axes)
+    inputs = [replace(i, sbp=tuple(Split(0) if i.kind == InputKind.BATCH and a == "dp" else Broadcast() for a in axes))
+              for i in graph.inputs]
+    nodes = [replace(n, sbp=[b] * len(n.outputs), sbp_in=None) for n in graph.nodes]
+    return replace(graph, inputs=inputs, nodes=nodes)
+
+
+def _warn_unruled(graph: Graph, rules: RuleBook, log) -> None:
+    seen = set()
+    for n in graph.nodes:
+        if n.op != HINT_OP and not rules.has_rule(n.op) and n.op not in seen:
+            seen.add(n.op)
+            where = f" (first at {n.loc})" if n.loc else ""
+            print(f"sbpc: warning: no SBP rule for {n.op}{where}; it runs replicated (B) on every device", file=log)
+
+
+class _Solver:
+    def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel):
+        self.g, self.lay, self.sizes, self.model = graph, layouts, sizes, model
+        self.axes = graph.mesh.sbp_axes
+        self.types: dict[str, TensorType] = layouts.types
+        self.cands: list[list[NdSignature]] = [layouts.candidates(i) for i in range(len(graph.nodes))]
+        self.uses = [list(n.uses()) for n in graph.nodes]
+        self.sbp: dict[str, NdSbp] = {}
+        self.why: dict[str, str] = {}
+        self.req: dict[str, dict[tuple, NdSbp]] = {}  # value -> (consumer, position) -> needed nd-SBP
+        self.choice: list[int] = [0] * len(graph.nodes)
+        self._box: dict = {}
+        self._hint_filters()
+
+    # ----- inputs and hints
+    def fix_inputs(self) -> None:
+        hinted = {n.args[0].name: n for n in self.g.nodes if n.op == HINT_OP and n.args[0].name in
+                  {i.value for i in self.g.inputs}}
+        by_name = {i.name: i for i in self.g.inputs}
+        for i in self.g.inputs:
+            if i.kind == InputKind.STATE and i.name.partition(":")[2] in by_name:
+                continue  # after its parameter
+            self.sbp[i.value], self.why[i.value] = self._input_sbp(i, hinted.get(i.value))
+        for i in self.g.inputs:
+            param = by_name.get(i.name.partition(":")[2]) if i.kind == InputKind.STATE else None
+            if param is not None:
+                same = param.type.shape == i.type.shape
+                self.sbp[i.value] = self.sbp[param.value] if same else self._bcast()
+                self.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
+        for o in self.g.outputs_of(OutputKind.UPDATE):
+            src = by_name[o.name].value
+            self.req.setdefault(o.value, {})[("update", o.name)] = self.sbp[src]
+
+    def _bcast(self) -> NdSbp:
+        return tuple(Broadcast() for _ in self.axes)
+
+    def _input_sbp(self, i: GraphInput, hint_node) -> tuple[NdSbp, str]:
+        nd = list(self._bcast())
+        if hint_node is not None:
+            where = hint_node.args[2]
+            for axis, s in parse_spec_string(hint_node.args[1], where):
+                if axis in self.axes and self.sizes[self.axes.index(axis)] > 1:
+                    if isinstance(s, Split):
+                        s = Split(s.dim, max(s.parts, self.lay.block_count(i.value, s.dim)))
+                    nd[self.axes.index(axis)] = s
+            self._check_divides(i.type, tuple(nd), f"{i.kind.value} {i.name!r}", where)
+            return tuple(nd), f"hint {hint_node.args[1]} at {where}"
+        if i.kind == InputKind.BATCH and "dp" in self.axes and self.sizes[self.axes.index("dp")] > 1:
+            nd[self.axes.index("dp")] = Split(0)
+            k = self.sizes[self.axes.index("dp")]
+            if not i.type.shape or i.type.shape[0] % k:
+                raise CompileError(f"{i.name} has shape {list(i.type.shape)}: its batch dim does not divide over dp={k}",
+                                   hint=f"use a --batch-size that is a multiple of {k}")
+            return tuple(nd), "batch input: S(0) on dp (data parallel)"
+        what = "parameter without a hint" if i.kind == InputKind.PARAM else i.kind.value
+        return tuple(nd), f"{what}: B (replicated)"
+
+    def _check_divides(self, t: TensorType, nd: NdSbp, what: str, where: str) -> None:
+        if not divides(t.shape, nd, self.sizes):
+            bad = next(f"{a}={k}" for a, k, s in zip(self.axes, self.sizes, nd) if isinstance(s, Split)
+                       and not divides(t.shape, tuple(x if x is s else Broadcast() for x in nd), self.sizes))
+            raise CompileError(f"SBP {format_nd_sbp(nd)} of {what} does not divide its shape {list(t.shape)} over {bad}",
+                               location=where, hint="pick a split dim whose size is a multiple of the axis size, or B")
+
+    def _hint_filters(self) -> None:
+        for idx, n in enumerate(self.g.nodes):
+            if n.op != HINT_OP:
+                continue
+            want = {self.axes.index(a): s for a, s in parse_spec_string(n.args[1], n.args[2]) if a in self.axes}
+            ok = [c for c in self.cands[idx] if all(self.sizes[a] == 1 or _same_kind(c.outs[0][a], s) for a, s in want.items())]
+            if not ok:
+                spec = n.args[1]
+                raise CompileError(f"hint {spec} on a {n.types[0]} value does not divide over mesh "
+                                   f"{', '.join(f'{a}={k}' for a, k in zip(self.axes, self.sizes))}",
+                                   location=n.args[2], hint="split a dim whose size is a multiple of the axis size")
+            self.cands[idx] = ok
+
+    # ----- costs
+    def box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
+        key = (src, dst, t)
+        if key not in self._box:
+            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model)
+        return self._box[key]
+
+    def compute(self, idx: int, c: NdSignature) -> float:
+        n = self.g.nodes[idx]
+        ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
+        total = 0
+        for t, nd in zip(ts, c.ins + c.outs):
+            numel = 1
+            for d in local_shape(t.shape, nd, self.sizes):
+                numel *= d
+            total += numel * max(1, t.nbytes // max(1, t.numel))
+        return self.model.compute(total)
+
+    def value_cost(self, v: str, src: NdSbp, reqs) -> float:
+        return sum(self.box(src, t, self.types[v]) for t in set(reqs) if t != src)
+
+    # ----- search
+    def greedy(self) -> None:
+        for idx in range(len(self.g.nodes)):
+            best, best_key = 0, None
+            for ci, c in enumerate(self.cands[idx]):
+                cost = self.compute(idx, c)
+                for pos, v in enumerate(self.uses[idx]):
+                    have = set(self.req.get(v, {}).values())
+                    if c.ins[pos] != self.sbp[v] and c.ins[pos] not in have:
+                        cost += self.box(self.sbp[v], c.ins[pos], self.types[v])
+                for j, o in enumerate(self.g.nodes[idx].outputs):
+                    cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
+                key = (round(cost, 15), _partials(c), ci)
+                if best_key is None or key < best_key:
+                    best, best_key = ci, key
+            self._set(idx, best)
+
+    def local_cost(self, idx: int, c: NdSignature) -> float:
+        cost = self.compute(idx, c)
+        n = self.g.nodes[idx]
+        for v in set(self.uses[idx]):
+            reqs = {k: t for k, t in self.req.get(v, {}).items() if k[0] != idx}
+            reqs.update({(idx, p): c.ins[p] for p, u in enumerate(self.uses[idx]) if u == v})
+            cost += self.value_cost(v, self.sbp[v], reqs.values())
+        for j, o in enumerate(n.outputs):
+            cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
+        return cost
+
+    def refine(self) -> bool:
+        changed = False
+        for idx in range(len(self.g.nodes)):
+            if len(self.cands[idx]) < 2:
+                continue
+            cur = self.local_cost(idx, self.cands[idx][self.choice[idx]])
+            best, best_key = self.choice[idx], (round(cur, 15), _partials(self.cands[idx][self.choice[idx]]), self.choice[idx])
+            for ci, c in enumerate(self.cands[idx]):
+                key = (round(self.local_cost(idx, c), 15), _partials(c), ci)
+                if key < best_key:
+                    best, best_key = ci, key
+            if best != self.choice[idx]:
+                self._set(idx, best)
+                changed = True
+        return changed
+
+    def _set(self, idx: int, ci: int) -> None:
+        self.choice[idx] = ci
+        c = self.cands[idx][ci]
+        for v in set(self.uses[idx]):
+            self.req.setdefault(v, {}).update({(idx, p): c.ins[p] for p, u in enumerate(self.uses[idx]) if u == v})
+        for j, o in enumerate(self.g.nodes[idx].outputs):
+            self.sbp[o] = c.outs[j]
+
+    def result(self) -> Graph:
+        nodes = []
+        for idx, n in enumerate(self.g.nodes):
+            c = self.cands[idx][self.choice[idx]]
+            rules = "; ".join(f"{a}: {note}" for a, k, note in zip(self.axes, self.sizes, c.notes) if k > 1)
+            why = f"{n.op} by rule [{rules}], the cheapest of {len(self.cands[idx])} signatures " \
+                  f"(compute + boxing {self.local_cost(idx, c):.3g} s)"
+            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=why))
+        inputs = [replace(i, sbp=self.sbp[i.value], why=self.why[i.value]) for i in self.g.inputs]
+        return replace(self.g, inputs=inputs, nodes=nodes)
+
+
+def _same_kind(a, b) -> bool:
+    if isinstance(a, Split) and isinstance(b, Split):
+        return a.dim == b.dim
+    return a == b
+
+
+def _partials(c: NdSignature) -> int:
+    return sum(isinstance(s, Partial) for nd in c.outs for s in nd)

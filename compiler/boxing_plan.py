@@ -1,0 +1,114 @@
+"""How to turn one nd-SBP into another: the steps, each one collective on one mesh axis.
+
+Shared by the propagation pass (to price a conversion) and the boxing pass (to emit it), so
+what is priced is what is emitted. Per axis (the DESIGN table):
+
+    P -> B  all_reduce          S -> B     all_gather       S(i) -> S(j)  all_to_all
+    P -> S  reduce_scatter      B -> S     shard_slice      B -> P        keep_first
+    P(max) -> B  all_reduce(max)
+
+Axes are independent when no tensor dim is split by two different axes across source and
+target; then each axis converts directly. Otherwise (nested splits of one dim) the safe route
+gathers axis by axis from the innermost out, then splits from the outermost in. Axes of size
+one never reach here: propagation keeps every value ``B`` on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sbpc.compiler.ir.types import TensorType
+from sbpc.errors import CompileError
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split, local_shape
+
+
+@dataclass(frozen=True)
+class Step:
+    axis: int  # index into the mesh's SBP axes
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, shard_slice, keep_first
+    kwargs: tuple[tuple[str, object], ...]
+    after: NdSbp  # the nd-SBP once this step is done
+
+    @property
+    def op(self) -> str:
+        return f"sbpc.{self.kind}"
+
+
+def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -> list[Step]:
+    if src == dst:
+        return []
+    if _independent(src, dst):
+        steps, cur = [], src
+        for a in range(len(src)):
+            for kind, kw, to in _one_axis(src[a], dst[a]):
+                cur = _set(cur, a, to)
+                steps.append(Step(a, kind, kw, cur))
+        return steps
+    steps, cur = [], src
+    for a in reversed(range(len(src))):  # innermost first: undo nested splits from the inside
+        if cur[a] != dst[a] and not isinstance(cur[a], Broadcast):
+            for kind, kw, to in _one_axis(cur[a], Broadcast()):
+                cur = _set(cur, a, to)
+                steps.append(Step(a, kind, kw, cur))
+    for a in range(len(src)):
+        if cur[a] != dst[a]:
+            for kind, kw, to in _one_axis(cur[a], dst[a]):
+                cur = _set(cur, a, to)
+                steps.append(Step(a, kind, kw, cur))
+    return steps
+
+
+def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model) -> float:
+    cost, cur = 0.0, src
+    for s in plan_boxing(src, dst, t, sizes):
+        nbytes = _local_bytes(t, cur, sizes)
+        cost += model.collective(s.kind, nbytes, sizes[s.axis])
+        cur = s.after
+    return cost
+
+
+def _local_bytes(t: TensorType, nd: NdSbp, sizes) -> int:
+    n = 1
+    for d in local_shape(t.shape, nd, sizes):
+        n *= d
+    return n * max(1, t.nbytes // max(1, t.numel))
+
+
+def _set(nd: NdSbp, a: int, s: Sbp) -> NdSbp:
+    return nd[:a] + (s,) + nd[a + 1:]
+
+
+def _independent(src: NdSbp, dst: NdSbp) -> bool:
+    by_dim: dict[int, set[int]] = {}
+    for nd in (src, dst):
+        for a, s in enumerate(nd):
+            if isinstance(s, Split):
+                by_dim.setdefault(s.dim, set()).add(a)
+    return all(len(axes) == 1 for axes in by_dim.values())
+
+
+def _split_kw(prefix: str, s: Split) -> tuple:
+    return ((f"{prefix}dim", s.dim), (f"{prefix}parts", s.parts))
+
+
+def _one_axis(a: Sbp, b: Sbp) -> list[tuple[str, tuple, Sbp]]:
+    """The steps that convert one axis from ``a`` to ``b``: (kind, kwargs, result)."""
+    if a == b:
+        return []
+    if isinstance(a, Partial):
+        if isinstance(b, Broadcast):
+            return [("all_reduce", (("reduce", a.reduce),), b)]
+        if isinstance(b, Split) and a.reduce == "sum":
+            return [("reduce_scatter", (("dim", b.dim), ("parts", b.parts), ("reduce", "sum")), b)]
+        return _one_axis(a, Broadcast()) + _one_axis(Broadcast(), b)
+    if isinstance(a, Split):
+        if isinstance(b, Broadcast):
+            return [("all_gather", (("dim", a.dim), ("parts", a.parts)), b)]
+        if isinstance(b, Split) and a.dim != b.dim:
+            return [("all_to_all", _split_kw("src_", a) + _split_kw("dst_", b), b)]
+        return _one_axis(a, Broadcast()) + _one_axis(Broadcast(), b)
+    # a is B
+    if isinstance(b, Split):
+        return [("shard_slice", (("dim", b.dim), ("parts", b.parts)), b)]
+    if isinstance(b, Partial) and b.reduce == "sum":
+        return [("keep_first", (), b)]
+    raise CompileError(f"no boxing converts {a!r} into {b!r}", hint="this is a bug in an SBP rule; report it")

@@ -1,0 +1,40 @@
+"""Cost models for SBP propagation: what a collective and an op cost, in seconds.
+
+A cost model is a parameter of the propagation pass, never hard-wired. ``AlphaBeta`` is the
+classic latency-bandwidth model of ring collectives over k devices (alpha per step, beta per
+byte), plus a memory-bound compute term (gamma per byte an op touches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class CostModel(Protocol):
+    def collective(self, kind: str, nbytes: int, k: int) -> float:
+        """``kind`` of the boxing step; ``nbytes``: the bytes each device holds before it."""
+
+    def compute(self, nbytes: int) -> float:
+        """An op that reads and writes ``nbytes`` on each device."""
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha: float = 20e-6  # s per ring step (latency)
+    beta: float = 1 / 10e9  # s per byte over a link
+    gamma: float = 1 / 200e9  # s per byte touched by a kernel
+
+    def collective(self, kind: str, nbytes: int, k: int) -> float:
+        a, b = self.alpha, self.beta
+        if kind == "all_reduce":
+            return 2 * (k - 1) * a + 2 * (k - 1) / k * nbytes * b
+        if kind == "all_gather":
+            return (k - 1) * a + (k - 1) * nbytes * b
+        if kind in ("reduce_scatter", "all_to_all"):
+            return (k - 1) * a + (k - 1) / k * nbytes * b
+        if kind in ("shard_slice", "keep_first"):
+            return self.gamma * nbytes  # local: no link, a copy at most
+        raise ValueError(f"unknown boxing step {kind}")
+
+    def compute(self, nbytes: int) -> float:
+        return self.gamma * nbytes

@@ -1,0 +1,48 @@
+"""``sbpc.hint``: the graph op an activation hint becomes.
+
+An identity op registered with torch.library, so make_fx records it with its spec string
+(``"tp=S(1)"``) and the source line of the ``sbpc.shard`` call. Its gradient is the identity
+and carries no hint. Propagation pins the SBP of its result; the boxing pass then removes it.
+"""
+from __future__ import annotations
+
+import torch
+
+OP = "sbpc.hint.default"
+
+
+@torch.library.custom_op("sbpc::hint", mutates_args=())
+def _hint(x: torch.Tensor, spec: str, where: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_hint.register_fake
+def _(x, spec, where):
+    return torch.empty_like(x)
+
+
+_hint.register_autograd(lambda ctx, grad: (grad, None, None))
+
+
+def hint_op(x: torch.Tensor, spec: str, where: str) -> torch.Tensor:
+    return _hint(x, spec, where)
+
+
+def hint_inputs(inputs, hints) -> list:
+    """``sbpc.hint`` nodes for hinted parameters; the hinted value replaces the input in every use.
+
+    Returns the nodes to put first in the graph; the caller renames the input's uses to them.
+    """
+    from sbpc.compiler.hints import format_spec
+    from sbpc.compiler.ir.types import Node, Ref, Role, SourceLoc
+
+    nodes = []
+    for i in inputs:
+        hint = hints.get(i.name)
+        if hint is None:
+            continue
+        file, _, line = hint.source.rpartition(":")
+        loc = SourceLoc(module="", file=file, line=int(line)) if line.isdigit() else None
+        nodes.append(Node([f"{i.value}_hint"], OP, (Ref(i.value), format_spec(hint.axes), hint.source), {},
+                          [i.type], Role.FORWARD, loc=loc))
+    return nodes

@@ -1,0 +1,118 @@
+"""decompose: rewrite fused ops whose math cannot be split into ops whose math can.
+
+Only on a mesh with more than one device (a one-device plan keeps the fused kernels, bit for
+bit). Each rewrite computes the same value with ops that have SBP rules:
+
+- ``_log_softmax(x, d)`` = ``x - amax - log(sum(exp(x - amax)))``: with the vocab dim split,
+  ``amax`` is ``P(max)`` and the sum ``P`` (vocab-parallel cross-entropy: the logits are
+  never gathered);
+- ``_log_softmax_backward_data(g, y, d)`` = ``g - exp(y) * sum(g, d)``;
+- ``nll_loss_forward`` with ``reduction=mean`` = the ``sum`` reduction divided by the total
+  weight, and its backward likewise: with the batch split, the sum and the weight count are
+  partial, so the mean is exact even when ignored targets are spread unevenly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import Graph, Node, Ref, TensorType
+
+_MEAN, _SUM = 1, 2
+
+
+@dataclass
+class Decompose:
+    name: str = "decompose"
+    always: bool = False  # also on one-device meshes (tests of the rewrite itself)
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        if not self.always and all(graph.mesh.size(a) == 1 for a in graph.mesh.sbp_axes):
+            return graph
+        taken = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
+        nodes: list[Node] = []
+        for n in graph.nodes:
+            rewrite = _REWRITES.get(n.op)
+            nodes.extend(rewrite(n, _Names(taken)) if rewrite else [n])
+        return replace(graph, nodes=nodes)
+
+
+class _Names:
+    def __init__(self, taken: set[str]):
+        self.taken = taken
+
+    def __call__(self, base: str) -> str:
+        i, name = 0, base
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+def _like(n: Node, outputs, op, args, types, kwargs=None) -> Node:
+    return replace(n, outputs=outputs, op=op, args=tuple(args), kwargs=kwargs or {}, types=types, sbp=None)
+
+
+def _log_softmax(n: Node, fresh) -> list[Node]:
+    x, dim = n.args[0], n.args[1]
+    t = n.types[0]
+    red = TensorType(tuple(1 if i == dim % len(t.shape) else s for i, s in enumerate(t.shape)), t.dtype)
+    out = n.outputs[0]
+    m, s, e, z, lz = (fresh(f"{out}_{k}") for k in ("max", "shifted", "exp", "sum", "logsum"))
+    return [
+        _like(n, [m], "aten.amax.default", [x, [dim], True], [red]),
+        _like(n, [s], "aten.sub.Tensor", [x, Ref(m)], [t]),
+        _like(n, [e], "aten.exp.default", [Ref(s)], [t]),
+        _like(n, [z], "aten.sum.dim_IntList", [Ref(e), [dim], True], [red]),
+        _like(n, [lz], "aten.log.default", [Ref(z)], [red]),
+        _like(n, [out], "aten.sub.Tensor", [Ref(s), Ref(lz)], [t]),
+    ]
+
+
+def _log_softmax_backward(n: Node, fresh) -> list[Node]:
+    g, y, dim = n.args[0], n.args[1], n.args[2]
+    t = n.types[0]
+    red = TensorType(tuple(1 if i == dim % len(t.shape) else s for i, s in enumerate(t.shape)), t.dtype)
+    out = n.outputs[0]
+    sg, e, p = (fresh(f"{out}_{k}") for k in ("gsum", "exp", "prod"))
+    return [
+        _like(n, [sg], "aten.sum.dim_IntList", [g, [dim], True], [red]),
+        _like(n, [e], "aten.exp.default", [y], [t]),
+        _like(n, [p], "aten.mul.Tensor", [Ref(e), Ref(sg)], [t]),
+        _like(n, [out], "aten.sub.Tensor", [g, Ref(p)], [t]),
+    ]
+
+
+def _nll_loss_forward(n: Node, fresh) -> list[Node]:
+    if n.args[3] != _MEAN:
+        return [n]
+    out, weight = n.outputs
+    total = fresh(f"{out}_sum")
+    args = list(n.args)
+    args[3] = _SUM
+    return [
+        _like(n, [total, weight], n.op, args, n.types, n.kwargs),
+        _like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
+    ]
+
+
+def _nll_loss_backward(n: Node, fresh) -> list[Node]:
+    if n.args[4] != _MEAN:
+        return [n]
+    g, weight = n.args[0], n.args[6]
+    scaled = fresh(f"{n.outputs[0]}_gscaled")
+    args = list(n.args)
+    args[0], args[4] = Ref(scaled), _SUM
+    grad_type = TensorType((), n.types[0].dtype)
+    return [
+        _like(n, [scaled], "aten.div.Tensor", [g, weight], [grad_type]),
+        _like(n, n.outputs, n.op, args, n.types, n.kwargs),
+    ]
+
+
+_REWRITES = {
+    "aten._log_softmax.default": _log_softmax,
+    "aten._log_softmax_backward_data.default": _log_softmax_backward,
+    "aten.nll_loss_forward.default": _nll_loss_forward,
+    "aten.nll_loss_backward.default": _nll_loss_backward,
+}
