@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, inspect, run, check, opt, schema."""
+"""The `sbpc` command: compile, inspect, run, check, explain, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -23,10 +23,12 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
+    p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
 
 
 def _compile(args: argparse.Namespace):
     from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.hints import load_config
     from sbpc.compiler.mesh import parse_mesh
     from sbpc.compiler.model_loader import load_model, parse_sets
     from sbpc.compiler.optim import OptimizerConfig
@@ -39,7 +41,8 @@ def _compile(args: argparse.Namespace):
     optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
                          dump_dir=args.dump_dir)
-    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx)
+    config = load_config(args.config) if args.config else None
+    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config)
     return result, source, optimizer
 
 
@@ -67,6 +70,12 @@ def cmd_inspect(args) -> int:
         write_report(plan, args.html)
         print(f"wrote {args.html}")
         return 0
+    if args.collectives:
+        from sbpc.compiler.comm_report import summary, table
+
+        print(table(plan))
+        print(summary(plan))
+        return 0
     if args.ranks:
         for rank in range(plan.world_size):
             coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
@@ -83,13 +92,18 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from sbpc.compiler.check import run_check
+    from sbpc.compiler.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.runner import Runner
 
     result, source, optimizer = _compile(args)
-    runner = Runner(result.plan, make_backend("cpu"), seed=args.seed)
-    report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance)
+    if result.plan.world_size > 1:
+        report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
+                                timeout=args.timeout)
+    else:
+        runner = Runner(result.plan, make_backend("cpu"), seed=args.seed)
+        report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
+                           tolerance=args.tolerance)
     print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")
     print(report.table())
     return 0 if report.passed else 1
@@ -120,6 +134,14 @@ def cmd_opt(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    from sbpc.compiler.comm_report import explain
+    from sbpc.runtime.plan import load_plan
+
+    print(explain(load_plan(args.plan), args.tensor))
+    return 0
+
+
 def cmd_schema(args) -> int:
     from sbpc.runtime.plan import Plan
 
@@ -139,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
     i.add_argument("--ranks", action="store_true", help="print the rank -> mesh coordinate map instead")
     i.add_argument("--html", metavar="FILE", help="write a standalone HTML report of the plan instead")
+    i.add_argument("--collectives", action="store_true", help="list the plan's collectives (phase, axis, bytes, op) instead")
     i.set_defaults(fn=cmd_inspect)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
@@ -148,14 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--steps", type=int, default=3)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--tolerance", type=float, default=1e-5, help="max relative deviation allowed (default 1e-5)")
+    k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
     k.set_defaults(fn=cmd_check)
+    e = sub.add_parser("explain", help="say why a value or parameter of a plan has its SBP")
+    e.add_argument("plan")
+    e.add_argument("tensor", help="a parameter name (h.0.attn.c_attn.weight) or a value (%%addmm)")
+    e.set_defaults(fn=cmd_explain)
     s = sub.add_parser("schema", help="print the JSON Schema of the plan format")
     s.set_defaults(fn=cmd_schema)
     o = sub.add_parser("opt", help="run passes over a text-IR file and print the result")
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, i, r, k, s, o):
+    for sp in (c, i, r, k, e, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

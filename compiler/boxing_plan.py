@@ -43,9 +43,11 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
                 cur = _set(cur, a, to)
                 steps.append(Step(a, kind, kw, cur))
         return steps
+    shared = _shared_dims(src, dst)
     steps, cur = [], src
     for a in reversed(range(len(src))):  # innermost first: undo nested splits from the inside
-        if cur[a] != dst[a] and not isinstance(cur[a], Broadcast):
+        nested = isinstance(cur[a], Split) and cur[a].dim in shared
+        if (cur[a] != dst[a] or nested) and not isinstance(cur[a], Broadcast):
             for kind, kw, to in _one_axis(cur[a], Broadcast()):
                 cur = _set(cur, a, to)
                 steps.append(Step(a, kind, kw, cur))
@@ -77,13 +79,18 @@ def _set(nd: NdSbp, a: int, s: Sbp) -> NdSbp:
     return nd[:a] + (s,) + nd[a + 1:]
 
 
-def _independent(src: NdSbp, dst: NdSbp) -> bool:
+def _shared_dims(src: NdSbp, dst: NdSbp) -> set[int]:
+    """Tensor dims that more than one axis splits, in the source or the target."""
     by_dim: dict[int, set[int]] = {}
     for nd in (src, dst):
         for a, s in enumerate(nd):
             if isinstance(s, Split):
                 by_dim.setdefault(s.dim, set()).add(a)
-    return all(len(axes) == 1 for axes in by_dim.values())
+    return {d for d, axes in by_dim.items() if len(axes) > 1}
+
+
+def _independent(src: NdSbp, dst: NdSbp) -> bool:
+    return not _shared_dims(src, dst)
 
 
 def _split_kw(prefix: str, s: Split) -> tuple:

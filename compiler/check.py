@@ -5,6 +5,10 @@ tensor is ``max|plan - eager| / max|eager|`` (denominator floored at 1e-12); the
 when the largest deviation over all steps and tensors is within the tolerance. Before the
 first step it also compares the plan's replayed init with eager ``torch.manual_seed(seed);
 build_model()``, which must agree bit for bit.
+
+On a mesh of many devices every rank runs the plan on its shards; gradients and parameters
+are gathered back to logical tensors (``Runner.gather``) and rank 0 compares them with eager
+PyTorch on the whole batch. ``check_on_ranks`` spawns the ranks over gloo.
 """
 from __future__ import annotations
 
@@ -78,24 +82,34 @@ def rel_dev(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-12)) if b.numel() else 0.0
 
 
-def run_check(plan: Plan, source: ModelSource, runner: Runner, optimizer: OptimizerConfig, *,
-              steps: int, seed: int, tolerance: float) -> CheckReport:
+def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer: OptimizerConfig, *,
+              steps: int, seed: int, tolerance: float) -> CheckReport | None:
+    """Every rank calls this (the gathers are collectives); rank 0, which alone needs ``source``,
+    runs eager PyTorch and returns the report, the others return None."""
+    lead = runner.topology.rank == 0
+    weights = runner.logical_weights()
+    batches = BatchSource(plan, seed)
+    if not lead:
+        for step in range(steps):
+            runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True)
+            runner.logical_params()
+        return None
     report = CheckReport(tolerance=tolerance)
     torch.manual_seed(seed)
     model = source.build().train()
     init = Deviation()
     eager_state = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, t in runner.weights().items():
+    for name, t in weights.items():
         init.update(name, t, eager_state[name])
     report.rows.append(StepRow("init", None, None, Deviation(), Deviation(), init))
     with torch.no_grad():
-        for name, t in runner.weights().items():
+        for name, t in weights.items():
             eager_state[name].copy_(t)
     opt = optimizer.torch_optimizer([p for p in model.parameters() if p.requires_grad])
-    batches = BatchSource(plan, seed)
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
+        params = runner.logical_params()
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(step_seed(seed, step))
         loss = model(*batch)
@@ -106,7 +120,38 @@ def run_check(plan: Plan, source: ModelSource, runner: Runner, optimizer: Optimi
         for name, g in result.grads.items():
             row.grads.update(name, g, named[name].grad)
         opt.step()
-        for name, p in runner.params.items():
+        for name, p in params.items():
             row.params.update(name, p, named[name])
         report.rows.append(row)
     return report
+
+
+def check_worker(payload: dict) -> CheckReport | None:
+    """One rank of a multi-device check (a ``runtime.launch`` target)."""
+    from sbpc.compiler.model_loader import load_model
+    from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.dist import init_distributed
+    from sbpc.runtime.plan import load_plan
+
+    plan = load_plan(payload["plan"])
+    comm = init_distributed(plan, timeout=payload["timeout"])
+    runner = Runner(plan, make_backend("cpu", comm, comm.topology), seed=payload["seed"])
+    source = load_model(plan.model.path, dict(plan.model.sets)) if comm.topology.rank == 0 else None
+    return run_check(plan, source, runner, payload["optimizer"], steps=payload["steps"], seed=payload["seed"],
+                     tolerance=payload["tolerance"])
+
+
+def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: int, tolerance: float,
+                   timeout: float = 300) -> CheckReport:
+    """Run ``check_worker`` on one local process per device of the plan's mesh."""
+    import os
+    import tempfile
+
+    from sbpc.runtime.launch import launch
+    from sbpc.runtime.plan import save_plan
+
+    with tempfile.TemporaryDirectory(prefix="sbpc-check-") as tmp:
+        path = os.path.join(tmp, "plan.json")
+        save_plan(plan, path)
+        payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout)
+        return launch(plan.world_size, "sbpc.compiler.check:check_worker", payload, timeout=timeout)[0]

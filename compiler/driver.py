@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from sbpc.compiler.capture import capture
+from sbpc.compiler.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.lower import lower
 from sbpc.compiler.mesh import Mesh
@@ -23,11 +24,11 @@ class CompileResult:
 
 
 def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer: OptimizerConfig,
-                  ctx: CompileContext | None = None, passes=None) -> CompileResult:
+                  ctx: CompileContext | None = None, passes=None, config: ParallelConfig | None = None) -> CompileResult:
     ctx = ctx or CompileContext()
     timings = {}
     t0 = time.perf_counter()
-    graph = capture(source, mesh, batch_size, optimizer)
+    graph = capture(source, mesh, batch_size, optimizer, config)
     timings["capture"] = time.perf_counter() - t0
     graph = PassManager(passes if passes is not None else default_pipeline(), ctx).run(graph)
     timings["passes"] = time.perf_counter() - t0 - timings["capture"]

@@ -23,7 +23,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
     grad = {o.name: o.value for o in graph.outputs_of(OutputKind.GRAD)}
     update = {o.name: o.value for o in graph.outputs_of(OutputKind.UPDATE)}
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
-                          sbp=[repr(s) for s in (i.sbp or ())])
+                          sbp=[repr(s) for s in (i.sbp or ())], why=i.why)
     return P.Plan(
         sbpc_version=__version__,
         model=model,
@@ -47,7 +47,9 @@ def _instr(n: Node, free: list[str]) -> P.Instruction:
     loc = P.SourceLoc(module=n.loc.module, file=n.loc.file, line=n.loc.line) if n.loc else None
     return P.Instruction(op=n.op, args=[encode_arg(a) for a in n.args],
                          kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
-                         outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc)
+                         outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc,
+                         sbp_in=[[repr(s) for s in nd] for nd in n.sbp_in] if n.sbp_in is not None else None,
+                         why=n.why)
 
 
 def encode_arg(a):

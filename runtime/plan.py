@@ -70,6 +70,8 @@ class Instruction(_Model):
     role: Literal["fwd", "bwd", "opt", "init"]
     stage: int | None = None
     loc: SourceLoc | None = None  # the user's module and line, for error messages
+    sbp_in: list[list[str]] | None = None  # the nd-SBP it receives of each tensor input
+    why: str | None = None  # how the compiler chose its SBP (`sbpc explain`)
 
 
 class TensorSpec(_Model):
@@ -78,6 +80,7 @@ class TensorSpec(_Model):
     shape: list[int]
     dtype: str  # torch dtype name, e.g. "float32"
     sbp: list[str] = Field(default_factory=list)  # one entry per non-pp mesh axis
+    why: str | None = None  # where its SBP came from (`sbpc explain`)
 
 
 class ParamSpec(TensorSpec):

@@ -87,3 +87,28 @@ def _verify_annotations(graph: Graph, where: str) -> None:
 
 def _loc(n: Node) -> str | None:
     return str(n.loc) if n.loc else None
+
+
+def verify_boxed(graph: Graph) -> None:
+    """After boxing: every op receives exactly the nd-SBP it asked for, and each updated
+    parameter or state leaves the step in the layout it came in with."""
+    sbp = {i.value: i.sbp for i in graph.inputs}
+    for n in graph.nodes:
+        if n.sbp_in is not None:
+            uses = list(n.uses())
+            if len(uses) != len(n.sbp_in):
+                raise IRError(f"{n.op} has {len(n.sbp_in)} input SBPs for {len(uses)} inputs", location=_loc(n))
+            for u, need in zip(uses, n.sbp_in):
+                if sbp.get(u) != need:
+                    raise IRError(f"{n.op} needs %{u} as {_fmt(need)} but it is {_fmt(sbp.get(u))}: boxing is missing",
+                                  location=_loc(n), hint="this is a compiler bug; run with --print-after-all to see the pass")
+        for o, nd in zip(n.outputs, n.sbp or []):
+            sbp[o] = nd
+    inputs = {i.name: i for i in graph.inputs}
+    for o in graph.outputs_of(OutputKind.UPDATE):
+        if sbp.get(o.value) != inputs[o.name].sbp:
+            raise IRError(f"update of {o.name!r} is {_fmt(sbp.get(o.value))} but the input is {_fmt(inputs[o.name].sbp)}")
+
+
+def _fmt(nd) -> str:
+    return "none" if nd is None else "[" + ", ".join(map(repr, nd)) + "]"

@@ -2,13 +2,32 @@
 
 The lowering frees each value right after its last use; this pass computes the same
 liveness to estimate the peak of live activations, and records the sizes of params,
-gradients and optimizer state in the context's estimates.
+gradients and optimizer state in the context's estimates: all per device (shards, not
+logical tensors).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
+from sbpc.compiler.ir.types import Graph, InputKind, OutputKind, dtype_size
+from sbpc.runtime.sbp import local_shape
+
+
+def _device_bytes(graph: Graph, sizes: tuple[int, ...]) -> dict[str, int]:
+    """Bytes each device holds of every value: its shard, once SBP is known."""
+    def local(t, nd):
+        if nd is None:
+            return t.nbytes
+        n = 1
+        for d in local_shape(t.shape, nd, sizes):
+            n *= d
+        return n * dtype_size(t.dtype)
+
+    out = {i.value: local(i.type, i.sbp) for i in graph.inputs}
+    for n in graph.nodes:
+        for o, t, nd in zip(n.outputs, n.types, n.sbp or [None] * len(n.outputs)):
+            out[o] = local(t, nd)
+    return out
 
 
 def last_uses(graph: Graph) -> dict[int, list[str]]:
@@ -34,19 +53,20 @@ class MemoryPlan:
     name: str = "memory-plan"
 
     def apply(self, graph: Graph, ctx) -> Graph:
-        types = graph.value_types()
+        sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
+        nbytes = _device_bytes(graph, sizes)
         dies = last_uses(graph)
         live = peak = 0
         for idx, n in enumerate(graph.nodes):
-            live += sum(t.nbytes for t in n.types)
+            live += sum(nbytes[o] for o in n.outputs)
             peak = max(peak, live)
-            live -= sum(types[v].nbytes for v in dies.get(idx, ()) if v in types)
+            live -= sum(nbytes[v] for v in dies.get(idx, ()) if v in nbytes)
         params = graph.inputs_of(InputKind.PARAM)
         ctx.estimates.update(
             param_count=sum(p.type.numel for p in params),
-            param_bytes=sum(p.type.nbytes for p in params),
-            grad_bytes=sum(types[o.value].nbytes for o in graph.outputs_of(OutputKind.GRAD)),
-            optimizer_state_bytes=sum(s.type.nbytes for s in graph.inputs_of(InputKind.STATE)),
+            param_bytes=sum(nbytes[p.value] for p in params),
+            grad_bytes=sum(nbytes[o.value] for o in graph.outputs_of(OutputKind.GRAD)),
+            optimizer_state_bytes=sum(nbytes[s.value] for s in graph.inputs_of(InputKind.STATE)),
             peak_activation_bytes=peak,
             instructions=len(graph.nodes),
         )

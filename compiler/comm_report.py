@@ -1,0 +1,111 @@
+"""What a plan communicates: every collective with its axis, phase, module and bytes; and
+`sbpc explain`: why a value has its SBP."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from sbpc.runtime import plan as P
+from sbpc.runtime.sbp import local_shape, parse_nd_sbp
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # ops that move data between devices
+LOCAL = ("shard_slice", "keep_first")  # boxing that stays on the device
+_BYTES = {"f64": 8, "i64": 8, "f32": 4, "i32": 4, "f16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce, ..., or a local boxing step
+    axis: str
+    role: str  # fwd, bwd, opt
+    module: str  # the module path of the op it serves
+    loc: str
+    value: str
+    nbytes: int  # bytes each device holds of the input
+
+    @property
+    def moves_data(self) -> bool:
+        return self.kind in KINDS
+
+
+def collectives(plan: P.Plan) -> list[Collective]:
+    sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
+    out = []
+    for st in plan.stages:
+        for ins in st.instructions:
+            kind = ins.op.removeprefix("sbpc.")
+            if not ins.op.startswith("sbpc.") or kind not in KINDS + LOCAL:
+                continue
+            t = ins.types[0]
+            src = parse_nd_sbp(ins.sbp_in[0]) if ins.sbp_in else parse_nd_sbp(t.sbp)
+            n = 1
+            for d in local_shape(t.shape, src, sizes):
+                n *= d
+            out.append(Collective(kind, str(ins.kwargs.get("axis")), ins.role, ins.loc.module if ins.loc else "",
+                                  str(ins.loc) if ins.loc else "", ins.args[0].ref, n * _BYTES.get(t.dtype, 1)))
+    return out
+
+
+def summary(plan: P.Plan) -> str:
+    cs = [c for c in collectives(plan) if c.moves_data]
+    if not cs:
+        return "// no collectives: every op runs on its own shard"
+    lines = [f"// {len(cs)} collectives per step, {sum(c.nbytes for c in cs) / 2**20:.2f} MiB in:"]
+    counts = Counter((c.kind, c.axis, c.role) for c in cs)
+    for (kind, axis, role), n in sorted(counts.items()):
+        lines.append(f"//   {n:4d} x {kind:<15} on {axis:<3} {role}")
+    return "\n".join(lines)
+
+
+def table(plan: P.Plan) -> str:
+    rows = [f"{'phase':<5}  {'collective':<15}  {'axis':<4}  {'bytes':>10}  {'value':<24}  module @ file:line"]
+    for c in collectives(plan):
+        if c.moves_data:
+            rows.append(f"{c.role:<5}  {c.kind:<15}  {c.axis:<4}  {c.nbytes:>10}  %{c.value:<23}  {c.loc}")
+    return "\n".join(rows)
+
+
+def explain(plan: P.Plan, name: str) -> str:
+    """Why ``name`` (a value ``%x``/``x`` or a parameter, buffer or state name) has its SBP."""
+    from sbpc.errors import UsageError
+
+    key = name.removeprefix("%")
+    specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
+    for s in specs:
+        if key in (s.name, s.value):
+            lines = [f"{s.name} (%{s.value}) : {s.dtype}{s.shape} sbp=[{', '.join(s.sbp)}]", f"  because: {s.why or 'not recorded'}"]
+            return "\n".join(lines + _consumers(plan, s.value))
+    for st in plan.stages:
+        for ins in st.instructions:
+            if key in ins.outs:
+                t = ins.types[ins.outs.index(key)]
+                lines = [f"%{key} : {t.dtype}{t.shape} sbp=[{', '.join(t.sbp)}]",
+                         f"  made by {ins.op}" + (f" at {ins.loc}" if ins.loc else ""),
+                         f"  because: {ins.why or 'not recorded'}"]
+                if ins.sbp_in:
+                    ins_refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
+                    lines += [f"  it takes %{r} as [{', '.join(nd)}]" for r, nd in zip(ins_refs, ins.sbp_in)]
+                return "\n".join(lines + _consumers(plan, key))
+    raise UsageError(f"no value or parameter named {name!r} in the plan",
+                     hint="name a parameter (h.0.attn.c_attn.weight) or a value from `sbpc inspect` (%addmm)")
+
+
+def _consumers(plan: P.Plan, value: str) -> list[str]:
+    lines = []
+    for st in plan.stages:
+        for ins in st.instructions:
+            refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
+            if value in refs and ins.op.removeprefix("sbpc.") in KINDS + LOCAL:
+                lines.append(f"  boxed by {ins.op}(axis={ins.kwargs.get('axis')}) -> %{ins.outs[0]} "
+                             f"[{', '.join(ins.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
+    return lines
+
+
+def _refs(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, P.RefArg):
+            out.append(a)
+        elif isinstance(a, list):
+            out += _refs(a)
+    return out

@@ -1,0 +1,121 @@
+"""boxing: insert the communication that gives every op the SBP it asked for.
+
+After propagation each op records what it needs of each input (``sbp_in``). Where the
+producer made something else, the steps of ``boxing_plan`` (one collective, slice or mask
+per mesh axis) are inserted right before the first op that needs it; later ops needing the
+same conversion reuse the result. Updated parameters and optimizer state are converted back
+to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
+The pass ends by verifying that every consumer receives exactly the SBP it expects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.boxing_plan import plan_boxing
+from sbpc.compiler.hint_op import OP as HINT_OP
+from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Ref, Role
+from sbpc.compiler.ir.verify import verify_boxed
+from sbpc.runtime.sbp import NdSbp, format_nd_sbp
+
+COLLECTIVES = frozenset(f"sbpc.{k}" for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                               "shard_slice", "keep_first"))
+
+
+@dataclass
+class Boxing:
+    name: str = "boxing"
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        return _Inserter(graph).run()
+
+
+class _Inserter:
+    def __init__(self, graph: Graph):
+        self.g = graph
+        self.axes = graph.mesh.sbp_axes
+        self.sizes = tuple(graph.mesh.size(a) for a in self.axes)
+        self.sbp: dict[str, NdSbp] = {i.value: i.sbp for i in graph.inputs}
+        self.types = graph.value_types()
+        self.boxed: dict[tuple[str, NdSbp], str] = {}
+        self.rename: dict[str, str] = {}
+        self.taken = set(self.types)
+        self.out: list[Node] = []
+
+    def run(self) -> Graph:
+        for n in self.g.nodes:
+            n = _rename_positions(n, [self.rename.get(u, u) for u in n.uses()])
+            if n.op == HINT_OP:
+                src = n.args[0].name
+                need = n.sbp_in[0] if n.sbp_in else self.sbp.get(src)
+                self.rename[n.outputs[0]] = self.convert(src, need, n) if need is not None else src
+                continue
+            if n.sbp_in is not None:
+                n = _rename_positions(n, [self.convert(u, need, n) for u, need in zip(n.uses(), n.sbp_in)])
+            self.out.append(n)
+            for o, nd in zip(n.outputs, n.sbp or []):
+                self.sbp[o] = nd
+        outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
+        outputs = self._restore_layouts(outputs)
+        graph = replace(self.g, nodes=self.out, outputs=outputs)
+        if all(n.sbp is not None for n in graph.nodes) and all(i.sbp is not None for i in graph.inputs):
+            verify_boxed(graph)
+        return graph
+
+    def convert(self, value: str, need: NdSbp, consumer: Node) -> str:
+        have = self.sbp.get(value)
+        if have is None or have == need:
+            return value
+        key = (value, need)
+        if key in self.boxed:
+            return self.boxed[key]
+        cur_name, cur = value, have
+        for step in plan_boxing(have, need, self.types[value], self.sizes):
+            name = self._fresh(f"{value}_{step.kind}")
+            self.out.append(Node(
+                [name], step.op, (Ref(cur_name),), {"axis": self.axes[step.axis], **dict(step.kwargs)},
+                [self.types[value]], consumer.role, loc=consumer.loc, stage=consumer.stage,
+                sbp=[step.after], sbp_in=[cur],
+                why=f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}"))
+            self.sbp[name] = step.after
+            cur_name, cur = name, step.after
+        self.boxed[key] = cur_name
+        return cur_name
+
+    def _restore_layouts(self, outputs):
+        """An updated param/state must leave the step in the layout it came in with."""
+        by_name = {i.name: i for i in self.g.inputs if i.kind in (InputKind.PARAM, InputKind.STATE)}
+        fixed = []
+        for o in outputs:
+            src = by_name.get(o.name) if o.kind == OutputKind.UPDATE else None
+            if src is not None and src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp):
+                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._last_stage())
+                o = replace(o, value=self.convert(o.value, src.sbp, anchor))
+            fixed.append(o)
+        return fixed
+
+    def _last_stage(self):
+        return self.out[-1].stage if self.out else None
+
+    def _fresh(self, base: str) -> str:
+        i, name = 0, base
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+def _rename_positions(n: Node, new: list[str]) -> Node:
+    """``n`` with its i-th tensor use renamed to ``new[i]`` (uses are in ``Node.uses`` order)."""
+    it = iter(new)
+
+    def sub(a):
+        if isinstance(a, Ref):
+            return Ref(next(it))
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    args = tuple(sub(a) for a in n.args)
+    kwargs = {k: sub(v) for k, v in n.kwargs.items()}
+    return replace(n, args=args, kwargs=kwargs)

@@ -1,0 +1,40 @@
+"""localize: give every op the arguments of the shard each device holds.
+
+Types stay logical (with their nd-SBP); what changes are the arguments that spell a shape
+(view sizes, split sizes, factory sizes become local), and ops whose sharded form is a
+different kernel (a masked embedding lookup over a split vocabulary, a partial mean that
+needs a scale). The rule book knows how, op by op. Collectives from the boxing pass are
+already physical. After this pass the program is the SPMD program every device runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import Graph, Node
+from sbpc.compiler.passes.boxing import COLLECTIVES
+from sbpc.compiler.sbp_rules import RuleBook
+from sbpc.runtime.sbp import Broadcast
+
+
+@dataclass
+class Localize:
+    name: str = "localize"
+    rules: RuleBook | None = None
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        axes = graph.mesh.sbp_axes
+        sizes = tuple(graph.mesh.size(a) for a in axes)
+        if all(k == 1 for k in sizes):
+            return graph
+        rules = self.rules or RuleBook.load()
+        nodes: list[Node] = []
+        for n in graph.nodes:
+            if n.op in COLLECTIVES or _replicated(n):
+                nodes.append(n)
+            else:
+                nodes.extend(rules.localize(n, list(n.sbp_in or []), list(n.sbp or []), sizes, axes))
+        return replace(graph, nodes=nodes)
+
+
+def _replicated(n: Node) -> bool:
+    return all(isinstance(s, Broadcast) for nd in (n.sbp or []) + (n.sbp_in or []) for s in nd)
