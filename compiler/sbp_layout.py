@@ -75,10 +75,11 @@ class Layouts:
                     for v, s in zip(names, sig.ins + sig.outs):
                         if isinstance(s, Split):
                             groups.setdefault(s.parts, []).append((v, s.dim))
+                    source = len(groups) > 1  # a split/cat: block counts change across the op
                     for parts, pos in groups.items():
                         for p in pos[1:]:
                             uf.union(pos[0], p)
-                        if parts > 1:
+                        if parts > 1 and source:
                             demands.setdefault(uf.find(pos[0]), set()).add(parts)
         # demands were recorded against roots that later unions may have merged
         merged: dict = {}
@@ -91,15 +92,20 @@ class Layouts:
         return self.parts.get(self._uf.find((value, dim)), 1)
 
     def with_strides(self, n: Node, sig: Signature) -> Signature:
+        """``sig`` with each split's block count taken from the analysis; a split/cat signature
+        (block counts that differ across the op) keeps the counts its rule gives."""
         names = list(n.uses()) + list(n.outputs)
-        fixed = [Split(s.dim, self.block_count(v, s.dim)) if isinstance(s, Split) and s.parts == 1 else s
-                 for v, s in zip(names, sig.ins + sig.outs)]
+        sbps = sig.ins + sig.outs
+        source = len({s.parts for s in sbps if isinstance(s, Split)}) > 1
+        fixed = [Split(s.dim, self.block_count(v, s.dim)) if isinstance(s, Split) and not source else s
+                 for v, s in zip(names, sbps)]
         return Signature(tuple(fixed[:len(sig.ins)]), tuple(fixed[len(sig.ins):]), sig.note)
 
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
-        per_axis = [[self.with_strides(n, s) for s in self.per_size[k][index]] for k in self.sizes]
+        per_axis = [list({(r := self.with_strides(n, s)).ins + r.outs: r for s in self.per_size[k][index]}.values())
+                    for k in self.sizes]
         shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         out = []
         for combo in itertools.product(*per_axis):

@@ -6,13 +6,21 @@ Plain PyTorch: this file runs without sbpc installed. sbpc reads two functions:
     example_batch(batch_size, **kw)  # -> (idx, targets)
 
 Sizes come from ``preset`` (``--set preset=1t``); single keys such as ``--set layers=4``
-override the preset.
+override the preset. ``--set sp=True`` pins the residual stream to ``S(1)`` (the sequence)
+on the tp axis with ``sbpc.shard``: sequence parallelism, when compiled with the Megatron
+hints of ``gpt.megatron.toml``. Under plain PyTorch ``shard`` does nothing.
 """
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+try:
+    from sbpc import shard
+except ImportError:  # plain PyTorch: hints are no-ops
+    def shard(tensor, **axes):
+        return tensor
 
 PRESETS = {
     # name: layers, hidden, heads, vocab, seq
@@ -27,7 +35,7 @@ PRESETS = {
 def config(preset="tiny", **overrides):
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    cfg = dict(PRESETS[preset], dropout=0.0, bias=True)
+    cfg = dict(PRESETS[preset], dropout=0.0, bias=True, sp=False)
     unknown = set(overrides) - set(cfg)
     if unknown:
         raise ValueError(f"unknown GPT settings {sorted(unknown)}; known: {sorted(cfg)}")
@@ -66,27 +74,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden, heads, dropout, bias):
+    def __init__(self, hidden, heads, dropout, bias, sp=False):
         super().__init__()
+        self.sp = sp
         self.ln_1 = nn.LayerNorm(hidden)
         self.attn = CausalSelfAttention(hidden, heads, dropout, bias)
         self.ln_2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden, bias)
 
     def forward(self, x):
+        if self.sp:
+            x = shard(x, tp="S(1)")  # sequence parallel: the residual stream is split along the sequence
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        return shard(x, tp="S(1)") if self.sp else x
 
 
 class GPT(nn.Module):
-    def __init__(self, layers, hidden, heads, vocab, seq, dropout, bias):
+    def __init__(self, layers, hidden, heads, vocab, seq, dropout, bias, sp=False):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq, hidden)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(hidden, heads, dropout, bias) for _ in range(layers))
+        self.h = nn.ModuleList(Block(hidden, heads, dropout, bias, sp) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.apply(self._init_weights)
