@@ -12,13 +12,24 @@ from typing import Callable
 import torch
 
 from sbpc.errors import PlanError, UsageError
+from sbpc.runtime.topology import Topology
 
 
 class Communicator(ABC):
     """Collectives over process groups, one instance per rank.
 
     A group is the tuple of global ranks along one mesh axis (e.g. the tp ranks of a dp row);
-    the plan names groups, the communicator owns the transport (gloo, NCCL).
+    the plan names groups, the communicator owns the transport (gloo, NCCL). Every member of
+    the group calls the same collective with same-shaped tensors; position in the tuple is the
+    member's index. Results are new tensors (inputs are never modified):
+
+    - ``all_reduce``: elementwise sum (``op="max"``: maximum) over the members.
+    - ``all_gather``: the members' tensors concatenated along ``dim`` in group order.
+    - ``reduce_scatter``: this member's contiguous chunk along ``dim`` (of ``len(group)`` equal
+      chunks) of the ``all_reduce``.
+    - ``all_to_all``: ``t`` cut into ``len(group)`` contiguous chunks along ``split_dim``; chunk j
+      goes to member j; the received chunks are concatenated along ``concat_dim`` in group order.
+    - ``send`` / ``recv``: point to point with a global rank.
     """
 
     rank: int
@@ -85,13 +96,26 @@ class LocalCommunicator(Communicator):
         pass
 
 
+def single_device_topology() -> Topology:
+    """The topology of a one-device run: no axes, rank 0 (every axis has size 1)."""
+    return Topology((), 0)
+
+
 class Backend(ABC):
+    """Kernels, the communicator of this rank and where the rank sits in the mesh."""
+
     name: str
     device: torch.device
 
-    def __init__(self, communicator: Communicator):
+    def __init__(self, communicator: Communicator, topology: Topology | None = None):
         self.communicator = communicator
+        self.topology = topology if topology is not None else single_device_topology()
+        if self.topology.world_size != communicator.world_size and self.topology.axes:
+            raise PlanError(f"the mesh {dict(self.topology.axes)} has {self.topology.world_size} devices "
+                            f"but the communicator spans {communicator.world_size} ranks",
+                            hint="build the communicator for the plan's mesh")
         self._cache: dict[str, Callable] = {}
+        self._own: dict[str, Callable] | None = None
 
     def kernel(self, op: str) -> Callable:
         fn = self._cache.get(op)
@@ -100,7 +124,9 @@ class Backend(ABC):
         return fn
 
     def _resolve(self, op: str) -> Callable:
-        own = self.kernels()
+        if self._own is None:
+            self._own = self.kernels()
+        own = self._own
         if op in own:
             return own[op]
         kernel = torch_op(op)
@@ -123,10 +149,12 @@ def torch_op(op: str):
         return None
 
 
-def make_backend(name: str, communicator: Communicator | None = None) -> Backend:
+def make_backend(name: str, communicator: Communicator | None = None, topology: Topology | None = None) -> Backend:
+    """The backend ``name`` over ``communicator`` (default: the one-device LocalCommunicator) at
+    ``topology`` (default: a one-device mesh, rank 0)."""
     from sbpc.runtime.cpu import CpuBackend
 
     backends = {"cpu": CpuBackend}
     if name not in backends:
         raise UsageError(f"backend {name!r} is not available", hint="available: cpu (cuda arrives with the NCCL backend)")
-    return backends[name](communicator or LocalCommunicator())
+    return backends[name](communicator or LocalCommunicator(), topology)

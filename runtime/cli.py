@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from sbpc.errors import UsageError, guarded_main
+from sbpc.errors import SbpcError, UsageError, guarded_main
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -23,36 +24,115 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", help="kernel + communication backend (default cpu)")
     p.add_argument("--weights", help="start from this state_dict (.pt) or .safetensors file instead of the seeded init")
     p.add_argument("--save", help="write the final weights here (.pt or .safetensors), atomically")
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: the cores divided among the ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a rank waiting longer than this for its peers (rendezvous or a collective) fails, "
+                        "and the run ends naming the rank it waited for (default 300)")
 
 
-def run_command(args: argparse.Namespace, out=sys.stdout) -> int:
+_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug")
+
+
+def run_command(args: argparse.Namespace, out=None) -> int:
+    """Run a plan: in this process for a one-device plan, as this rank of an existing group
+    under torchrun (RANK and WORLD_SIZE set), else by spawning one local process per rank."""
+    from sbpc.runtime import dist
+    from sbpc.runtime.plan import load_plan
+
+    out = out or sys.stdout
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps} is negative", hint="pass --steps 1 or more")
+    if getattr(args, "timeout", 300.0) <= 0:
+        raise UsageError(f"--timeout {args.timeout:g} must be positive", hint="pass the seconds a rank may wait, e.g. --timeout 300")
+    plan = load_plan(args.plan)
+    if dist.under_torchrun():
+        world = dist.env_world_size()
+        if world != plan.world_size:
+            raise dist.world_size_mismatch(plan.world_size, world)
+        if world > 1:
+            return _join_group(args, plan, out)
+    elif plan.world_size > 1:
+        return _spawn(args, plan, out)
+    train(args, plan, None, out)
+    return 0
+
+
+def train(args: argparse.Namespace, plan, communicator, out) -> dict:
+    """The training loop of one rank (the only one when ``communicator`` is None). Prints to
+    ``out`` unless it is None; every rank must call it (gathers are collectives)."""
     import torch
 
     from sbpc.runtime.backend import make_backend
-    from sbpc.runtime.plan import load_plan
     from sbpc.runtime.runner import BatchSource, Runner, step_seed
     from sbpc.runtime.weights import load_weights, save_weights
 
-    if args.steps < 0:
-        raise UsageError(f"--steps {args.steps} is negative", hint="pass --steps 1 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
-    plan = load_plan(args.plan)
-    backend = make_backend(args.backend)
+    topology = communicator.topology if communicator is not None else None
+    backend = make_backend(args.backend, communicator, topology)
     weights = load_weights(args.weights, plan) if args.weights else None
     runner = Runner(plan, backend, seed=args.seed, weights=weights)
+    weights = None
     batches = BatchSource(plan, args.seed)
+    losses = []
     start = time.perf_counter()
     for step in range(args.steps):
         result = runner.step(batches(step), rng_seed=step_seed(args.seed, step))
-        print(f"step {step}: loss {result.loss:.6f}", file=out)
+        losses.append(result.loss)
+        if out is not None:
+            print(f"step {step}: loss {result.loss:.6f}", file=out, flush=True)
     elapsed = time.perf_counter() - start
-    if args.steps:
-        print(f"{args.steps} steps in {elapsed:.2f}s ({args.steps / elapsed:.2f} steps/s)", file=out)
+    if args.steps and out is not None:
+        print(f"{args.steps} steps in {elapsed:.2f}s ({args.steps / elapsed:.2f} steps/s)", file=out, flush=True)
     if args.save:
-        save_weights(runner.weights(), args.save)
-        print(f"saved weights to {args.save}", file=out)
+        state = runner.logical_weights()  # every rank takes part in the gathers
+        if backend.communicator.rank == 0:
+            save_weights(state, args.save)
+            if out is not None:
+                print(f"saved weights to {args.save}", file=out, flush=True)
+    return {"losses": losses, "seconds": elapsed}
+
+
+def run_rank(payload: dict) -> dict:
+    """Launch target of ``sbpc run``'s spawned ranks: join the mesh and train; rank 0 prints."""
+    from sbpc.runtime import dist
+    from sbpc.runtime.plan import load_plan
+
+    args = argparse.Namespace(**payload)
+    plan = load_plan(args.plan)
+    comm = dist.init_distributed(plan, timeout=args.timeout)
+    return train(args, plan, comm, sys.stdout if comm.rank == 0 else None)
+
+
+def _spawn(args: argparse.Namespace, plan, out) -> int:
+    from sbpc.runtime.launch import launch
+
+    payload = {k: getattr(args, k, None) for k in _PAYLOAD_KEYS}
+    payload["timeout"] = getattr(args, "timeout", 300.0)
+
+    def show(rank: int, line: str) -> None:
+        (out if rank == 0 else sys.stderr).write(line if rank == 0 else f"[rank {rank}] {line}")
+        (out if rank == 0 else sys.stderr).flush()
+
+    launch(plan.world_size, "sbpc.runtime.cli:run_rank", payload, timeout=payload["timeout"], on_output=show,
+           echo_stderr=bool(getattr(args, "debug", False)), threads=args.threads)
+    return 0
+
+
+def _join_group(args: argparse.Namespace, plan, out) -> int:
+    """Under torchrun: this process is one rank; join the group instead of spawning."""
+    from sbpc.runtime import dist
+
+    rank = int(os.environ["RANK"])
+    try:
+        comm = dist.init_distributed(plan, timeout=getattr(args, "timeout", 300.0))
+        train(args, plan, comm, out if comm.rank == 0 else None)
+    except BaseException as err:
+        dist.report_failure(rank, err)
+        if isinstance(err, SbpcError) and not getattr(err, "secondary", False):
+            err.message = f"rank {rank}: {err.message}"  # torchrun interleaves the ranks' stderr
+        raise
+    dist.shutdown()
     return 0
 
 

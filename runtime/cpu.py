@@ -1,8 +1,11 @@
-"""The cpu backend: torch CPU kernels (and gloo, once meshes span processes)."""
+"""The cpu backend: torch CPU kernels; across processes, gloo (``runtime.dist.GlooCommunicator``)."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
+from sbpc.runtime import collectives
 from sbpc.runtime.backend import Backend
 
 aten = torch.ops.aten
@@ -27,8 +30,24 @@ class CpuBackend(Backend):
     device = torch.device("cpu")
 
     def kernels(self):
-        return {
+        """Device-neutral ``sbpc.*`` kernels: attention, constants, the SBP shard ops of
+        ``runtime.shard_ops`` (when present) and the collectives; the last two bound to this backend."""
+        table = {
             "sbpc.attention": _attention,
             "sbpc.attention_backward": _attention_backward,
             "sbpc.constant": constant,
         }
+        table.update({op: partial(fn, self) for op, fn in shard_op_kernels().items()})
+        table.update({op: partial(fn, self) for op, fn in collectives.KERNELS.items()})
+        return table
+
+
+def shard_op_kernels() -> dict:
+    """``runtime.shard_ops.KERNELS`` (``fn(backend, *args, **kw)``), or nothing while that module does not exist."""
+    try:
+        from sbpc.runtime.shard_ops import KERNELS
+    except ModuleNotFoundError as err:
+        if err.name != "sbpc.runtime.shard_ops":
+            raise
+        return {}
+    return dict(KERNELS)

@@ -2,6 +2,13 @@
 
 The runtime never imports the compiler. It imports the model file only to call
 ``example_batch`` for synthetic batches, which is plain PyTorch.
+
+On a mesh of many ranks each rank holds only its shards: parameters and buffers come from the
+seeded init program (identical logical tensors on every rank) or a weights file, cut with
+``sharding.local_shard`` by their nd-SBP at this rank's coordinates; optimizer states start as
+zeros of the local shape; each step's logical batch is cut the same way. Values leave the rank
+in logical form only through ``Runner.gather`` (the loss for reporting, gradients with
+``keep_grads``, ``logical_params`` / ``logical_weights`` for checks and checkpoints).
 """
 from __future__ import annotations
 
@@ -14,7 +21,9 @@ from sbpc.errors import ModelError, RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.model_file import import_model_file
-from sbpc.runtime.plan import Plan
+from sbpc.runtime.plan import Plan, TensorSpec
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
+from sbpc.runtime.sharding import combine, local_shard
 from sbpc.runtime.weights import init_weights
 
 
@@ -31,7 +40,16 @@ class Runner:
         if plan.world_size != backend.communicator.world_size:
             raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
                                  hint="launch as many ranks as the plan's mesh has devices")
+        axes = tuple((a.name, a.size) for a in plan.mesh)
+        if plan.world_size > 1 and tuple(backend.topology.axes) != axes:
+            raise RuntimeFailure(f"plan's mesh {dict(axes)} is not the backend's mesh {dict(backend.topology.axes)}",
+                                 hint="build the communicator with runtime.dist.init_distributed(plan, ...)")
+        if len(plan.stages) != 1:
+            raise RuntimeFailure(f"plan has {len(plan.stages)} pipeline stages; this runtime runs one",
+                                 hint="compile without a pp axis until pipeline execution lands")
         self.plan, self.backend = plan, backend
+        self.topology = backend.topology
+        self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
         stage = plan.stages[0]
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
         # outputs: the loss, then each param's gradient and update, then each state's update
@@ -39,11 +57,35 @@ class Runner:
                    *(s.update for s in plan.states)]
         self.program = Program(stage.instructions, [s.value for s in specs], outputs, backend,
                                name=f"stage{stage.stage}")
-        tensors = weights if weights is not None else init_weights(plan, backend, seed)
+        types = {o: t for ins in stage.instructions for o, t in zip(ins.outs, ins.types)}
+        self.loss_sbp = self._value_sbp(types.get(stage.loss))
+        self.grad_sbp = {p.name: self._value_sbp(types.get(p.grad), fallback=p) for p in plan.params}
+        self.spec_sbp = {s.name: self._nd(s.sbp) for s in specs}
         dev = backend.device
-        self.params = {p.name: tensors[p.name].to(dev) for p in plan.params}
-        self.buffers = {b.name: tensors[b.name].to(dev) for b in plan.buffers}
-        self.states = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
+        tensors = dict(weights) if weights is not None else init_weights(plan, backend, seed)
+        self.params = {p.name: self._shard(tensors.pop(p.name), p).to(dev) for p in plan.params}
+        self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in plan.buffers}
+        del tensors
+        self.states = {s.name: torch.zeros(local_shape(s.shape, self.spec_sbp[s.name], self.sizes),
+                                           dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
+
+    def _nd(self, sbp: list[str]) -> NdSbp:
+        """The nd-SBP of a plan entry, one per sbp axis of the mesh (missing entries: B)."""
+        nd = parse_nd_sbp(sbp) if sbp else ()
+        n = len(self.topology.sbp_axes)
+        return tuple(nd[:n]) + (Broadcast(),) * (n - len(nd)) if n else nd
+
+    def _value_sbp(self, vtype, fallback: TensorSpec | None = None) -> NdSbp:
+        """The nd-SBP of a program value from the type of the instruction that defines it."""
+        if vtype is not None and vtype.sbp:
+            return self._nd(vtype.sbp)
+        return self._nd(fallback.sbp if fallback is not None else [])
+
+    def _shard(self, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """This rank's shard of the logical tensor of ``spec``."""
+        if not self.sizes:
+            return t
+        return local_shard(t, self.spec_sbp[spec.name], self.coords, self.sizes)
 
     def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
              keep_grads: bool = False) -> StepResult:
@@ -53,16 +95,43 @@ class Runner:
         if rng_seed is not None:
             torch.manual_seed(rng_seed)
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
-               *(b.to(self.backend.device) for b in batch)]
+               *(self._shard(b, spec).to(self.backend.device) for b, spec in zip(batch, self.plan.batch))]
         loss, *rest = self.program.run(env)
         n = len(self.plan.params)
-        grads = dict(zip(self.params, rest[:n])) if keep_grads else {}
+        grads = {name: self.gather(g, self.grad_sbp[name]) for name, g in zip(self.params, rest[:n])} if keep_grads else {}
         self.params = dict(zip(self.params, rest[n:2 * n]))
         self.states = dict(zip(self.states, rest[2 * n:]))
-        return StepResult(loss=float(loss), grads=grads)
+        return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads)
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers (its shards; on one device, the logical tensors)."""
         return {**self.params, **self.buffers}
+
+    def logical_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter as its logical tensor. A collective: every rank must call it."""
+        return {p.name: self.gather(self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params}
+
+    def logical_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers as logical tensors (a state_dict). A collective: every rank must call it."""
+        return {**self.logical_params(),
+                **{b.name: self.gather(self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers}}
+
+    def gather(self, t: torch.Tensor, nd: NdSbp | list[str]) -> torch.Tensor:
+        """The logical tensor of this rank's shard ``t`` laid out as ``nd``: axis by axis, last
+        axis first (undoing ``local_shard``), S by all_gather + ``sharding.combine``, P by
+        all_reduce, B as is. A collective: every rank of the mesh must call it with its shard."""
+        if nd and isinstance(nd[0], str):
+            nd = parse_nd_sbp(nd)
+        comm = self.backend.communicator
+        for axis, s in reversed(list(zip(self.topology.sbp_axes, nd))):
+            group = self.topology.group(axis)
+            if len(group) == 1 or isinstance(s, Broadcast):
+                continue
+            if isinstance(s, Partial):
+                t = comm.all_reduce(t, group, s.reduce)
+            elif isinstance(s, Split):
+                t = combine(list(comm.all_gather(t, group, s.dim).chunk(len(group), dim=s.dim)), s)
+        return t
 
     def _check_batch(self, batch) -> None:
         if len(batch) != len(self.plan.batch):

@@ -1,0 +1,132 @@
+"""Kernels of the collective and boxing instructions the compiler emits.
+
+Each kernel takes the backend first (the CPU backend binds it with ``functools.partial``), so it
+reaches ``backend.topology`` (which ranks form the group along ``axis``, and this rank's index
+in it) and ``backend.communicator`` (the transport). Along an axis of size 1 every kernel is
+the identity (``shard_slice`` / ``keep_first`` included), so one-device plans run unchanged.
+
+Semantics, for one mesh axis of size n on which this rank has index i (other axes untouched;
+``S(d:k)`` is the strided split of ``runtime.sbp``, laid out by ``runtime.sharding``):
+
+``sbpc.all_reduce(x, axis, reduce="sum"|"max")``   P / P(max) -> B
+    the elementwise sum (max) of x over the group.
+``sbpc.all_gather(x, axis, dim, parts=1)``          S(dim:parts) -> B
+    ``join_chunks([x_0 .. x_{n-1}], S(dim:parts))``: the logical tensor.
+``sbpc.reduce_scatter(x, axis, dim, parts=1, reduce="sum")``   P -> S(dim:parts)
+    ``take_chunk(sum_j x_j, S(dim:parts), i, n)``.
+``sbpc.all_to_all(x, axis, src_dim, dst_dim, src_parts=1, dst_parts=1)``   S(src) -> S(dst)
+    x is this rank's shard of L under ``S(src_dim:src_parts)``; the result is its shard of L
+    under ``S(dst_dim:dst_parts)``, where L = ``join_chunks([x_0 .. x_{n-1}], S(src_dim:src_parts))``.
+``sbpc.shard_slice(x, axis, dim, parts=1)``         B -> S(dim:parts), no communication
+    ``take_chunk(x, S(dim:parts), i, n)``.
+``sbpc.keep_first(x, axis, reduce="sum")``          B -> P, no communication
+    x on index 0, zeros elsewhere (``reduce="max"``: the dtype's lowest value elsewhere), so
+    the group's sum (max) is x.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sbpc.errors import PlanError
+from sbpc.runtime.sbp import Partial, Split
+from sbpc.runtime.sharding import join_chunks, shard_of, take_chunk
+
+if TYPE_CHECKING:
+    from sbpc.runtime.backend import Backend
+
+
+def axis_group(backend: Backend, axis: str) -> tuple[tuple[int, ...], int]:
+    """(the global ranks along ``axis`` through this rank, this rank's index among them)."""
+    topo = backend.topology
+    if topo.axes and axis not in dict(topo.axes):
+        raise PlanError(f"the plan communicates over mesh axis {axis!r}, which this mesh {dict(topo.axes)} lacks",
+                        hint="the plan is corrupt or was compiled for another mesh; recompile it")
+    return topo.group(axis), topo.index(axis)
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim() if x.dim() else dim
+
+
+def _reduce(reduce: str) -> str:
+    if reduce not in ("sum", "max"):
+        raise PlanError(f"unknown reduction {reduce!r} in a collective", hint="reduce is 'sum' or 'max'")
+    return reduce
+
+
+def all_reduce(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> torch.Tensor:
+    group, _ = axis_group(backend, axis)
+    if len(group) == 1:
+        return x
+    return backend.communicator.all_reduce(x, group, _reduce(reduce))
+
+
+def all_gather(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1) -> torch.Tensor:
+    group, _ = axis_group(backend, axis)
+    if len(group) == 1:
+        return x
+    dim = _dim(x, dim)
+    out = backend.communicator.all_gather(x, group, dim)
+    if parts == 1:
+        return out
+    return join_chunks(list(out.chunk(len(group), dim=dim)), Split(dim, parts))
+
+
+def _arrange(x: torch.Tensor, s: Split, n: int) -> torch.Tensor:
+    """``x`` reordered along ``s.dim`` so that its j-th contiguous n-th is ``take_chunk(x, s, j, n)``."""
+    if s.parts == 1:
+        return x
+    return torch.cat([take_chunk(x, s, j, n) for j in range(n)], dim=s.dim)
+
+
+def reduce_scatter(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1,
+                   reduce: str = "sum") -> torch.Tensor:
+    group, _ = axis_group(backend, axis)
+    if len(group) == 1:
+        return x
+    dim = _dim(x, dim)
+    return backend.communicator.reduce_scatter(_arrange(x, Split(dim, parts), len(group)), group, dim, _reduce(reduce))
+
+
+def all_to_all(backend: Backend, x: torch.Tensor, axis: str, src_dim: int, dst_dim: int,
+               src_parts: int = 1, dst_parts: int = 1) -> torch.Tensor:
+    group, index = axis_group(backend, axis)
+    n = len(group)
+    if n == 1:
+        return x
+    src, dst = Split(_dim(x, src_dim), src_parts), Split(_dim(x, dst_dim), dst_parts)
+    if src == dst:
+        return x
+    if src.dim == dst.dim:  # re-blocking one dim: the pieces do not commute with the split; gather
+        return take_chunk(all_gather(backend, x, axis, src.dim, src.parts), dst, index, n).contiguous()
+    # piece i -> j is take_chunk(x_i, dst, j): slicing dst.dim commutes with assembling src.dim
+    got = backend.communicator.all_to_all(_arrange(x, dst, n), group, dst.dim, src.dim)
+    if src.parts == 1:
+        return got
+    return join_chunks(list(got.chunk(n, dim=src.dim)), src)
+
+
+def shard_slice(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1) -> torch.Tensor:
+    group, index = axis_group(backend, axis)
+    if len(group) == 1:
+        return x
+    return take_chunk(x, Split(_dim(x, dim), parts), index, len(group)).contiguous()
+
+
+def keep_first(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> torch.Tensor:
+    group, index = axis_group(backend, axis)
+    if len(group) == 1:
+        return x
+    return shard_of(x, Partial(_reduce(reduce)), index, len(group))
+
+
+KERNELS = {
+    "sbpc.all_reduce": all_reduce,
+    "sbpc.all_gather": all_gather,
+    "sbpc.reduce_scatter": reduce_scatter,
+    "sbpc.all_to_all": all_to_all,
+    "sbpc.shard_slice": shard_slice,
+    "sbpc.keep_first": keep_first,
+}
