@@ -81,7 +81,7 @@ def launch(world_size: int, target: str, payload: dict, *, timeout: float, grace
         ranks = [_Rank(r, spec, {**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size)},
                        out, echo_stderr) for r in range(world_size)]
         try:
-            hung = _watch(ranks, grace)
+            hung = _watch(ranks, grace, tmp)
         finally:
             _stop(ranks)
         failure = _failure(ranks, tmp, hung, timeout)
@@ -128,16 +128,21 @@ def _print_output(rank: int, line: str) -> None:
     sys.stdout.flush()
 
 
-def _watch(ranks: list[_Rank], grace: float) -> list[int]:
-    """Wait until every rank ends, or until ``grace`` seconds after the first failure; return
-    the ranks still running then."""
+def _watch(ranks: list[_Rank], grace: float, tmp: str) -> list[int]:
+    """Wait until every rank ends, or until ``grace`` seconds after the first failure (half a
+    second when that failure is a collective timeout: its peers had ``timeout`` already);
+    return the ranks still running then."""
     first_failure = None
     while True:
         codes = [r.poll() for r in ranks]
         if all(c is not None for c in codes):
             return []
-        if first_failure is None and any(c not in (None, 0) for c in codes):
+        failed = [r for r, c in zip(ranks, codes) if c not in (None, 0)]
+        if first_failure is None and failed:
             first_failure = time.monotonic()
+            path = os.path.join(tmp, f"rank{failed[0].rank}.err")
+            if os.path.exists(path) and _load(path).get("timed_out"):
+                grace = min(grace, 0.5)
         if first_failure is not None and time.monotonic() - first_failure > grace:
             return [r.rank for r, c in zip(ranks, codes) if c is None]
         time.sleep(0.02)
@@ -177,7 +182,9 @@ def _failure(ranks: list[_Rank], tmp: str, hung: list[int], timeout: float) -> E
     primary = [r for r in records if not records[r]["secondary"]]
     died = [r.rank for r in ranks if r.rank not in hung and r.rank not in records and r.proc.returncode not in (0, None)]
     if primary:
-        return _from_record(records[min(primary, key=order)])
+        first = records[min(primary, key=order)]
+        same = [r for r in primary if records[r]["message"] == first["message"]]  # all ranks hit the same error
+        return _from_record(records[min(same)])
     if died:
         r = ranks[min(died, key=lambda k: (ranks[k].exit_time or 0.0, k))]
         code = r.proc.returncode
@@ -190,11 +197,13 @@ def _failure(ranks: list[_Rank], tmp: str, hung: list[int], timeout: float) -> E
         return err
     if hung:
         waiting = sorted(records)
+        named = [records[r]["peer"] for r in sorted(waiting, key=order) if records[r].get("peer") in hung]
+        culprit = named[0] if named else hung[0]  # the peer a timed-out rank waited for, when it knows
         why = f" ({records[min(waiting, key=order)]['message']})" if waiting else ""
-        err = RuntimeFailure(f"rank {hung[0]} hung: rank{'s' if len(waiting) != 1 else ''} "
+        err = RuntimeFailure(f"rank {culprit} hung: rank{'s' if len(waiting) != 1 else ''} "
                              f"{', '.join(map(str, waiting)) or '?'} gave up waiting for it after {timeout:g}s{why}",
                              hint="raise --timeout if the rank is only slow; --debug shows each rank's stderr")
-        err.rank = hung[0]
+        err.rank = culprit
         return err
     return _from_record(records[min(records, key=order)]) if records else RuntimeFailure("a rank failed without a trace")
 
@@ -216,6 +225,7 @@ def error_record(rank: int, err: BaseException) -> dict:
     return {
         "rank": rank, "type": type(err).__name__, "sbpc": sbpc, "time": time.monotonic(),
         "secondary": bool(getattr(err, "secondary", False)),
+        "timed_out": bool(getattr(err, "timed_out", False)), "peer": getattr(err, "peer", None),
         "message": err.message if sbpc else (text.splitlines()[0] if text else type(err).__name__),
         "hint": getattr(err, "hint", None) if sbpc else None,
         "location": getattr(err, "location", None) if sbpc else None,

@@ -22,9 +22,16 @@ def init_weights(plan: Plan, backend: Backend, seed: int) -> dict[str, torch.Ten
     return dict(zip(names, program.run([])))
 
 
-def load_weights(path: str, plan: Plan) -> dict[str, torch.Tensor]:
+def check_weights_path(path: str) -> None:
+    """Fail early (before ranks are spawned) on a weights file that is not there."""
     if not os.path.isfile(path):
         raise WeightsError(f"weights file {path!r} does not exist", hint="pass a torch state_dict (.pt) or a .safetensors file")
+
+
+def load_weights(path: str, plan: Plan) -> dict[str, torch.Tensor]:
+    """The logical state dict of ``path``, checked against the plan. On a mesh every rank loads
+    the whole file and the Runner keeps the rank's shards."""
+    check_weights_path(path)
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
