@@ -1,0 +1,220 @@
+"""The rule book: the SBP signatures of a node on one mesh axis, and its per-device form.
+
+``RuleBook.load()`` reads ``ir_specs/aten.sbp``; ``signatures`` lists every valid 1-D
+signature of a node (all-B first); ``localize`` rewrites a node for its chosen nd-SBPs.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import inspect
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sbpc.compiler.ir.types import Node, Ref, TensorType
+from sbpc.compiler.rules.dsl import LITERALS, Rule, parse_rules, rules_error
+from sbpc.compiler.rules.families import FAMILIES, LOCALIZERS, LocCtx, SigCtx
+from sbpc.compiler.rules.loops import B, Cand, enumerate_loops, norm_dim
+from sbpc.errors import CompileError
+from sbpc.runtime.backend import torch_op
+from sbpc.runtime.sbp import NdSbp, Partial, Sbp, Split, divides
+
+MODIFIERS = ("partial", "pmax", "unsplit")
+DEFAULT_STRIDED_PARTS = (2, 3)  # block counts of strided splits offered (fused gate/up, fused qkv)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A 1-D signature: one SBP per tensor input (``node.uses()`` order) and per output."""
+
+    ins: tuple[Sbp, ...]
+    outs: tuple[Sbp, ...]
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"({', '.join(map(repr, self.ins))}) -> ({', '.join(map(repr, self.outs))})"
+
+
+def op_params(op: str, rule: Rule | None = None) -> list[tuple[str, Any]]:
+    """(name, default) of each parameter of ``op``: declared in the rule, else torch's schema."""
+    if rule is not None and rule.params is not None:
+        return [(p, None) for p in rule.params]
+    kernel = torch_op(op)
+    schema = getattr(kernel, "_schema", None)
+    if schema is None:
+        return []
+    return [(a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments]
+
+
+def bind(node: Node, params: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parameter name -> value (defaults filled in), and name -> where it sits (arg index or kwarg)."""
+    values, where = {}, {}
+    names = [p for p, _ in params]
+    for i, a in enumerate(node.args):
+        name = names[i] if i < len(names) else f"arg{i}"
+        values[name], where[name] = a, i
+    for k, v in node.kwargs.items():
+        values[k], where[k] = v, k
+    for name, default in params:
+        values.setdefault(name, default)
+    return values, where
+
+
+def use_keys(node: Node, params: list[tuple[str, Any]]) -> list:
+    """One key per ``node.uses()`` entry: the parameter name, or (name, position) in a list."""
+    names = [p for p, _ in params]
+    keys = []
+    items = [(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(node.args)] + list(node.kwargs.items())
+    for name, a in items:
+        if isinstance(a, Ref):
+            keys.append(name)
+        elif isinstance(a, (list, tuple)):
+            keys.extend((name, j) for j, x in enumerate(a) if isinstance(x, Ref))
+    return keys
+
+
+class RuleBook:
+    def __init__(self, rules: list[Rule], text: str = "", strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS):
+        self.rules: dict[str, Rule] = {}
+        self.strided_parts = tuple(strided_parts)
+        self._params: dict[str, list] = {}
+        for r in rules:
+            self._check(r, text)
+            self.rules[r.op] = r
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "RuleBook":
+        if path is None:
+            text, source = importlib.resources.files("sbpc.ir_specs").joinpath("aten.sbp").read_text(), "ir_specs/aten.sbp"
+        else:
+            text, source = Path(path).read_text(), str(path)
+        return cls.from_text(text, source)
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "<rules>") -> "RuleBook":
+        return cls(parse_rules(text, source), text)
+
+    def has_rule(self, op: str) -> bool:
+        return op in self.rules
+
+    def ops(self) -> list[str]:
+        return sorted(self.rules)
+
+    # ------------------------------------------------------------ load-time checks
+
+    def _check(self, r: Rule, text: str) -> None:
+        def fail(line, col, what, hint=None):
+            raise rules_error(r.source, line, col, what, hint, text)
+
+        if r.op in self.rules:
+            fail(r.line, r.col, f"second rule for {r.op}", f"the first is on line {self.rules[r.op].line}")
+        params = op_params(r.op, r)
+        if not params and r.params is None:
+            fail(r.line, r.col, f"unknown op {r.op}", "torch has no such op; declare its parameters: op(a, b) = ...")
+        self._params[r.op] = params
+        names = {p for p, _ in params}
+        if r.family not in FAMILIES:
+            fail(*r.fpos, f"unknown family {r.family!r}", "families: " + ", ".join(sorted(FAMILIES)))
+        try:
+            inspect.signature(FAMILIES[r.family]).bind(None, *r.args)
+        except TypeError:
+            sig = str(inspect.signature(FAMILIES[r.family])).replace("(c, ", "(").replace("(c)", "()")
+            fail(*r.fpos, f"family {r.family} takes {sig}, got {len(r.args)} arguments")
+        args = list(r.args)
+        for m in r.modifiers:
+            if m.name not in MODIFIERS:
+                fail(m.line, m.col, f"unknown modifier {m.name!r}", "modifiers: " + ", ".join(MODIFIERS))
+            args += [a for g in m.groups for a in g]
+        for a in args:
+            if a.kind == "name" and a.value not in names and a.value not in LITERALS:
+                fail(a.line, a.col, f"{r.op} has no parameter {a.value!r}",
+                     "parameters: " + ", ".join(p for p, _ in params))
+
+    # ------------------------------------------------------------ signatures
+
+    def signatures(self, node: Node, in_types: list[TensorType], axis_size: int) -> list[Signature]:
+        rule = self.rules.get(node.op)
+        params = self._params.get(node.op) or op_params(node.op)
+        keys = use_keys(node, params)
+        all_b = Signature((B,) * len(keys), (B,) * len(node.types), "all B")
+        if rule is None:
+            return [all_b]
+        values, _ = bind(node, params)
+        shapes = {k: t.shape for k, t in zip(keys, in_types)}
+        dtypes = {k: t.dtype for k, t in zip(keys, in_types)}
+        c = SigCtx(node, values, shapes, self.strided_parts)
+        lp, cands = FAMILIES[rule.family](c, *rule.args)
+        cands = list(cands)
+        if lp is not None:
+            unsplit = rule.modifier("unsplit")
+            if unsplit and lp.outs:
+                rank = len(node.types[0].shape)
+                for g in unsplit.groups:
+                    v = c.value(g[0])
+                    for d in ([v] if isinstance(v, int) else v or []):
+                        lp.fixed.add(lp.outs[0][norm_dim(d, rank)])
+            cands = enumerate_loops(lp, c.shape, c.out_shape, self.strided_parts) + cands
+        for mod, kind in (("partial", "sum"), ("pmax", "max")):
+            m = rule.modifier(mod)
+            for g in (m.groups if m else ()):
+                group = [k for a in g for k in keys if k == a.value or (isinstance(k, tuple) and k[0] == a.value)]
+                if not all(c.tensor(a) or isinstance(c.value(a), list) for a in g) or not group:
+                    continue  # a scalar operand: the op is not linear in the tensors alone
+                p = Partial(kind)
+                cands.append(Cand({k: p for k in group}, [p] * len(node.types), "+".join(map(str, g)) + f" {p!r}"))
+        out, seen = [all_b], {(all_b.ins, all_b.outs)}
+        for cand in cands:
+            sig = self._signature(cand, keys, shapes, dtypes, node, axis_size)
+            if sig is not None and (sig.ins, sig.outs) not in seen:
+                seen.add((sig.ins, sig.outs))
+                out.append(sig)
+        return out
+
+    @staticmethod
+    def _signature(cand: Cand, keys, shapes, dtypes, node: Node, k: int) -> Signature | None:
+        if len(cand.outs) != len(node.types):
+            return None
+        ins = tuple(cand.ins.get(key, B) for key in keys)
+        outs = tuple(B if t.dtype == "none" else s for s, t in zip(cand.outs, node.types))
+        tensors = [(s, shapes[key], dtypes[key]) for s, key in zip(ins, keys)]
+        tensors += [(s, t.shape, t.dtype) for s, t in zip(outs, node.types)]
+        for s, shape, dtype in tensors:
+            if isinstance(s, Split) and not divides(shape, (s,), (k,)):
+                return None
+            if isinstance(s, Partial) and dtype == "bool":
+                return None
+        return Signature(ins, outs, cand.note)
+
+    # ------------------------------------------------------------ localize
+
+    def localize(self, node: Node, in_nd: list[NdSbp], out_nd: list[NdSbp], sizes: tuple[int, ...],
+                 axes: tuple[str, ...]) -> list[Node]:
+        rule = self.rules.get(node.op)
+        new = replace(node, sbp=list(out_nd), args=tuple(node.args), kwargs=dict(node.kwargs))
+        if rule is None or rule.family not in LOCALIZERS:
+            return [new]
+        params = self._params[node.op]
+        values, where = bind(node, params)
+        keys = use_keys(node, params)
+        lc = LocCtx(node, values, dict(zip(keys, in_nd)), list(out_nd), tuple(sizes), tuple(axes))
+        LOCALIZERS[rule.family](lc, *rule.args)
+        args, kwargs = list(new.args), dict(new.kwargs)
+        for name, v in lc.set.items():
+            pos = where.get(name, name)
+            if isinstance(pos, int):
+                args[pos] = v
+            else:
+                kwargs[pos] = v
+        if lc.op:
+            new.op = lc.op
+            kwargs["axis"] = lc.masked_axes[0] if len(lc.masked_axes) == 1 else list(lc.masked_axes)
+        new.args, new.kwargs = tuple(args), kwargs
+        if lc.scale == 1.0:
+            return [new]
+        if len(node.outputs) != 1:
+            raise CompileError(f"cannot scale the outputs of {node.op}: it has {len(node.outputs)}")
+        out = node.outputs[0]
+        new.outputs = [f"{out}__unscaled"]
+        scale = Node([out], "aten.mul.Tensor", (Ref(new.outputs[0]), lc.scale), {}, list(node.types), node.role,
+                     loc=node.loc, stage=node.stage, sbp=list(out_nd))
+        return [new, scale]

@@ -1,0 +1,460 @@
+"""The rule families: one small function per family, named in ``ir_specs/aten.sbp``.
+
+A family reads the op's bound arguments and shapes (``SigCtx``) and returns its loop nest
+(``Loops``, see loops.py) plus any extra candidate signatures the nest cannot express (a
+strided split of ``split``/``cat``, a masked vocab-parallel kernel). A family may also have a
+localizer that turns the logical node into its per-device form (``LocCtx``): local shapes for
+shape-valued arguments, a rank-aware ``sbpc.*_masked`` kernel, a 1/k scale after a mean.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sbpc.compiler.ir.types import Ref
+from sbpc.compiler.rules.loops import B, Cand, Loops, dim_list, letters, norm_dim, view_groups
+from sbpc.errors import CompileError
+from sbpc.runtime.sbp import Partial, Split, local_shape
+
+FAMILIES: dict[str, Callable] = {}
+LOCALIZERS: dict[str, Callable] = {}
+
+
+def family(name: str, localizer: Callable | None = None):
+    def deco(fn):
+        FAMILIES[name] = fn
+        if localizer is not None:
+            LOCALIZERS[name] = localizer
+        return fn
+    return deco
+
+
+class SigCtx:
+    """What a family sees while enumerating signatures for one node on one axis."""
+
+    def __init__(self, node, bind: dict[str, Any], shapes: dict, parts: tuple[int, ...]):
+        self.node, self.bind, self.shapes, self.parts = node, bind, shapes, parts
+
+    def value(self, a) -> Any:
+        from sbpc.compiler.rules.dsl import LITERALS
+
+        if a.kind != "name":
+            return a.value
+        return self.bind[a.value] if a.value in self.bind else LITERALS[a.value]
+
+    def tensor(self, a) -> str | None:
+        """The parameter name when ``a`` names a tensor argument, else None (scalar, absent)."""
+        return a.value if a.kind == "name" and isinstance(self.bind.get(a.value), Ref) else None
+
+    def tensors(self) -> list[str]:
+        return [n for n, v in self.bind.items() if isinstance(v, Ref)]
+
+    def shape(self, key) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    def out_shape(self, i: int) -> tuple[int, ...]:
+        return self.node.types[i].shape
+
+
+class LocCtx:
+    """What a localizer sees: the chosen nd-SBPs by parameter key, and what it may change."""
+
+    def __init__(self, node, bind, ins: dict, outs: list, sizes, axes):
+        self.node, self.bind, self.ins, self.outs, self.sizes, self.axes = node, bind, ins, outs, sizes, axes
+        self.set: dict[str, Any] = {}  # parameter -> new (local) value
+        self.op: str | None = None  # a rank-aware kernel replacing the op
+        self.masked_axes: list[str] = []
+        self.scale = 1.0  # the output is multiplied by this afterwards
+
+    def value(self, a) -> Any:
+        from sbpc.compiler.rules.dsl import LITERALS
+
+        if a.kind != "name":
+            return a.value
+        return self.bind[a.value] if a.value in self.bind else LITERALS[a.value]
+
+    def local_out(self, i: int) -> list[int]:
+        return list(local_shape(self.node.types[i].shape, self.outs[i], self.sizes))
+
+    def nd(self, a) -> tuple:
+        return self.ins.get(a.value, (B,) * len(self.axes))
+
+    def mask(self, op: str, axes: list[str]) -> None:
+        if axes:
+            self.op, self.masked_axes = op, axes
+
+
+# ---------------------------------------------------------------- loop-nest families
+
+@family("broadcast_only")
+def broadcast_only(c):
+    return None, []
+
+
+def _aligned(c, names, rank: int, lets: list[str], lp: Loops, out_shape) -> None:
+    """Right-aligned broadcasting of ``names`` against an output of ``rank`` dims."""
+    for a in names:
+        key = c.tensor(a)
+        if key is None:
+            continue
+        shp = c.shape(key)
+        off = rank - len(shp)
+        dims = []
+        for d, s in enumerate(shp):
+            x = lets[off + d] if off + d >= 0 else None
+            if x is not None and s != 1 and s != out_shape[off + d]:
+                lp.fixed.add(x)  # the op changes this dim's extent (slice, pad): it cannot split
+            dims.append(x)
+        lp.ins[key] = dims
+
+
+@family("elementwise")
+def elementwise(c, *names):
+    out = c.out_shape(0)
+    lets = letters(len(out))
+    lp = Loops(outs=[list(lets) for _ in c.node.types])
+    _aligned(c, names, len(out), lets, lp, out)
+    return lp, []
+
+
+@family("einsum")
+def einsum(c, spec):
+    """``"mn+mk,kn->mn"``: letters per input dim, right-aligned; ``,`` multiplies, ``+`` adds a term.
+    A term lacking a summed letter is P (not B) when that letter is split."""
+    text = c.value(spec).replace(" ", "")
+    lhs, _, rhs = text.partition("->")
+    terms = lhs.split("+")
+    specs = [f for t in terms for f in t.split(",")]
+    names = c.tensors()
+    if len(specs) != len(names):
+        raise CompileError(f"einsum rule {text!r} of {c.node.op} names {len(specs)} inputs, the op has {len(names)}")
+
+    def fit(s: str, rank: int) -> list:
+        return list(s[len(s) - rank:]) if rank else []
+
+    lp = Loops(outs=[fit(rhs, len(c.out_shape(0)))])
+    for n, s in zip(names, specs):
+        lp.ins[n] = fit(s, len(c.shape(n)))
+    lp.reduce = {x: "sum" for x in lhs if x.isalpha() and x not in rhs}
+    if len(terms) > 1:
+        owner = [t for t, term in enumerate(terms) for _ in term.split(",")]
+        lp.terms = {n: owner[i] for i, n in enumerate(names)}
+    return lp, []
+
+
+def _reduce_loc(lc, self, dim, keepdim, kind):
+    if lc.value(kind) == "mean":
+        for i, k in enumerate(lc.sizes):
+            if isinstance(lc.nd(self)[i], Split) and isinstance(lc.outs[0][i], Partial):
+                lc.scale /= k
+
+
+@family("reduce", _reduce_loc)
+def reduce(c, self, dim, keepdim, kind):
+    rank = len(c.shape(c.tensor(self)))
+    red = dim_list(c.value(dim), rank)
+    lets = letters(rank)
+    out = [None if d in red else x for d, x in enumerate(lets)] if c.value(keepdim) else \
+        [x for d, x in enumerate(lets) if d not in red]
+    kind = "max" if c.value(kind) == "max" else "sum"
+    return Loops(ins={c.tensor(self): lets}, outs=[out], reduce={lets[d]: kind for d in red}), []
+
+
+@family("transpose")
+def transpose(c, self, dim0, dim1):
+    rank = len(c.shape(c.tensor(self)))
+    lets = letters(rank)
+    out = list(lets)
+    if rank >= 2:
+        a, b = norm_dim(c.value(dim0), rank), norm_dim(c.value(dim1), rank)
+        out[a], out[b] = out[b], out[a]
+    return Loops(ins={c.tensor(self): lets}, outs=[out]), []
+
+
+@family("permute")
+def permute(c, self, dims):
+    rank = len(c.shape(c.tensor(self)))
+    lets = letters(rank)
+    return Loops(ins={c.tensor(self): lets}, outs=[[lets[norm_dim(d, rank)] for d in c.value(dims)]]), []
+
+
+@family("select")
+def select(c, self, dim):
+    rank = len(c.shape(c.tensor(self)))
+    d = norm_dim(c.value(dim), rank)
+    lets = letters(rank)
+    return Loops(ins={c.tensor(self): lets}, outs=[lets[:d] + lets[d + 1:]], fixed={lets[d]}), []
+
+
+def _size_loc(lc, self, size=None):
+    if size is not None and size.kind == "name" and lc.value(size) is not None:
+        lc.set[size.value] = lc.local_out(0)
+
+
+@family("view", _size_loc)
+def view(c, self, size=None):
+    a, b = c.shape(c.tensor(self)), c.out_shape(0)
+    ins, outs = [None] * len(a), [None] * len(b)
+    for g, (gi, gj) in enumerate(view_groups(a, b)):
+        li = [d for d in gi if a[d] != 1]
+        lj = [d for d in gj if b[d] != 1]
+        if li and lj:
+            ins[li[0]] = outs[lj[0]] = f"g{g}"
+    return Loops(ins={c.tensor(self): ins}, outs=[outs]), []
+
+
+@family("expand", _size_loc)
+def expand(c, self, size):
+    out = c.out_shape(0)
+    lets = letters(len(out))
+    shp = c.shape(c.tensor(self))
+    off = len(out) - len(shp)
+    ins = [lets[off + d] if s == out[off + d] else None for d, s in enumerate(shp)]
+    return Loops(ins={c.tensor(self): ins}, outs=[lets], free_out=True), []
+
+
+def _factory_loc(lc, size=None):
+    _size_loc(lc, None, size)
+
+
+@family("factory", _factory_loc)
+def factory(c, size=None):
+    lets = letters(len(c.out_shape(0))) if size is not None else [None] * len(c.out_shape(0))
+    return Loops(outs=[lets], free_out=True), []
+
+
+@family("like")
+def like(c, self):
+    key = c.tensor(self)
+    lets = letters(len(c.shape(key)))
+    extra = [Cand({key: p}, [B], f"values of {key} unused") for p in (Partial(), Partial("max"))]
+    return Loops(ins={key: lets}, outs=[list(lets)]), extra
+
+
+def _split_loc(lc, self, dim, sizes=None):
+    if sizes is None or sizes.kind != "name":
+        return
+    d = norm_dim(lc.value(dim), len(lc.node.types[0].shape))
+    old = lc.value(sizes)
+    local = [lc.local_out(i)[d] for i in range(len(lc.node.types))]
+    lc.set[sizes.value] = local[0] if isinstance(old, int) else local
+
+
+@family("split", _split_loc)
+def split(c, self, dim, sizes=None):
+    key = c.tensor(self)
+    shp = c.shape(key)
+    d = norm_dim(c.value(dim), len(shp))
+    lets = letters(len(shp))
+    lp = Loops(ins={key: lets}, outs=[list(lets) for _ in c.node.types], fixed={lets[d]})
+    n = len(c.node.types)
+    pieces = {c.out_shape(i)[d] for i in range(n)}
+    extra = []
+    if len(pieces) == 1 and n * pieces.pop() == shp[d]:
+        for q in (1, *c.parts):
+            extra.append(Cand({key: Split(d, n * q)}, [Split(d, q)] * n, f"strided split {d}:{n * q} -> {n} pieces"))
+    return lp, extra
+
+
+@family("cat")
+def cat(c, tensors, dim):
+    out = c.out_shape(0)
+    d = norm_dim(c.value(dim), len(out))
+    lets = letters(len(out))
+    keys = [(tensors.value, j) for j, v in enumerate(c.value(tensors)) if isinstance(v, Ref)]
+    lp = Loops(outs=[lets], fixed={lets[d]})
+    extra = []
+    for key in keys:
+        lp.ins[key] = list(lets) if len(c.shape(key)) == len(out) else [None] * len(c.shape(key))
+    if keys and len({c.shape(key)[d] for key in keys}) == 1 and all(len(c.shape(k)) == len(out) for k in keys):
+        n = len(keys)
+        for q in (1, *c.parts):
+            extra.append(Cand({key: Split(d, q) for key in keys}, [Split(d, n * q)], f"cat of {n} splits -> strided {d}:{n * q}"))
+    return lp, extra
+
+
+@family("layer_norm")
+def layer_norm(c, input, normalized_shape, weight, bias):
+    rank = len(c.shape(c.tensor(input)))
+    lead = rank - len(c.value(normalized_shape))
+    lets = letters(rank)
+    stat = lets[:lead] + [None] * (rank - lead)
+    lp = Loops(ins={c.tensor(input): lets}, outs=[lets, stat, stat], fixed=set(lets[lead:]))
+    return lp, []
+
+
+@family("layer_norm_backward")
+def layer_norm_backward(c, grad_out, input, normalized_shape, mean, rstd, weight, bias):
+    rank = len(c.shape(c.tensor(input)))
+    lead = rank - len(c.value(normalized_shape))
+    lets = letters(rank)
+    stat = lets[:lead] + [None] * (rank - lead)
+    lp = Loops(ins={c.tensor(grad_out): lets, c.tensor(input): lets, c.tensor(mean): stat, c.tensor(rstd): stat},
+               outs=[lets, [None] * (rank - lead), [None] * (rank - lead)],
+               reduce={x: "sum" for x in lets[:lead]}, fixed=set(lets[lead:]))
+    return lp, []
+
+
+def _attn_loops(c, qs, ks, mask, dropout_p, is_causal, outs, t_reduce: bool):
+    if c.value(dropout_p):
+        return Loops(), False  # random dropout: each rank would draw another mask
+    lp = Loops(fixed={"s", "d"} | ({"t"} if c.value(is_causal) else set()))
+    for a in qs:
+        if c.tensor(a):
+            lp.ins[c.tensor(a)] = list("bhtd")[:len(c.shape(c.tensor(a)))]
+    for a in ks:
+        lp.ins[c.tensor(a)] = list("bhsd")
+    if c.tensor(mask):
+        m = c.shape(c.tensor(mask))
+        lp.ins[c.tensor(mask)] = list("bhts")[4 - len(m):]
+    lp.outs = [list(o) for o in outs]
+    if t_reduce:
+        lp.reduce = {"t": "sum"}
+    return lp, True
+
+
+@family("attention")
+def attention(c, query, key, value, attn_mask, dropout_p, is_causal):
+    lp, _ = _attn_loops(c, [query], [key, value], attn_mask, dropout_p, is_causal, ["bhtd", "bht"], False)
+    return lp, []
+
+
+@family("attention_backward")
+def attention_backward(c, grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal):
+    lp, _ = _attn_loops(c, [grad_out, query, out, lse], [key, value], attn_mask, dropout_p, is_causal,
+                        ["bhtd", "bhsd", "bhsd"], True)
+    return lp, []
+
+
+def _gather_lets(c, self, dim, index):
+    shp, idx = c.shape(c.tensor(self)), c.shape(c.tensor(index))
+    d = norm_dim(c.value(dim), len(shp))
+    lets = letters(len(idx))
+    ins = [None if i == d or shp[i] != idx[i] else lets[i] for i in range(len(shp))]
+    return Loops(ins={c.tensor(self): ins, c.tensor(index): lets}, outs=[lets]), []
+
+
+family("gather")(_gather_lets)
+
+
+@family("index")
+def index(c, self, indices):
+    vals = c.value(indices)
+    if not all(isinstance(v, Ref) for v in vals):
+        return None, []  # None entries (x[:, idx]): only B for now
+    shp = c.shape(c.tensor(self))
+    keys = [(indices.value, j) for j in range(len(vals))]
+    br = max(len(c.shape(k)) for k in keys)
+    lets = letters(br)
+    rest = letters(len(shp) - len(vals), start=br)
+    lp = Loops(ins={c.tensor(self): [None] * len(vals) + rest}, outs=[lets + rest])
+    for k in keys:
+        r = len(c.shape(k))
+        lp.ins[k] = lets[br - r:]
+    return lp, []
+
+
+# ---------------------------------------------------------------- masked (vocab-parallel) families
+
+def _masked_axes(lc, a, want) -> list[str]:
+    return [ax for ax, s in zip(lc.axes, lc.nd(a)) if want(s)]
+
+
+def _embedding_loc(lc, weight, indices):
+    lc.mask("sbpc.embedding_masked", _masked_axes(lc, weight, lambda s: s == Split(0)))
+
+
+@family("embedding", _embedding_loc)
+def embedding(c, weight, indices):
+    w, ix = c.tensor(weight), c.tensor(indices)
+    n = len(c.shape(ix))
+    lets = letters(n + 1)
+    lp = Loops(ins={w: ["v", lets[n]], ix: lets[:n]}, outs=[lets], fixed={"v"})
+    return lp, [Cand({w: Split(0)}, [Partial()], "vocab split: masked lookup -> P")]
+
+
+def _embedding_bwd_loc(lc, grad_output, indices, num_weights, scale_grad_by_freq):
+    lc.set[num_weights.value] = lc.local_out(0)[0]
+    lc.mask("sbpc.embedding_dense_backward_masked", [ax for ax, s in zip(lc.axes, lc.outs[0]) if s == Split(0)])
+
+
+@family("embedding_dense_backward", _embedding_bwd_loc)
+def embedding_dense_backward(c, grad_output, indices, num_weights, scale_grad_by_freq):
+    g, ix = c.tensor(grad_output), c.tensor(indices)
+    n = len(c.shape(ix))
+    lets = letters(n + 1)
+    lp = Loops(ins={g: lets, ix: lets[:n]}, outs=[["v", lets[n]]], fixed={"v"})
+    if not c.value(scale_grad_by_freq):
+        lp.reduce = {x: "sum" for x in lets[:n]}  # counts per rank would differ from the global ones
+    else:
+        lp.fixed |= set(lets[:n])
+    return lp, [Cand({}, [Split(0)], "vocab split: masked scatter -> S(0)")]
+
+
+def _class_dim(c, self) -> int:
+    return len(c.shape(c.tensor(self))) - 1
+
+
+def _nll_fwd_loc(lc, self, target, weight, reduction):
+    lc.mask("sbpc.nll_loss_forward_masked",
+            [ax for ax, s, t in zip(lc.axes, lc.nd(self), lc.nd(target)) if isinstance(s, Split) and t == B])
+
+
+@family("nll_loss_forward", _nll_fwd_loc)
+def nll_loss_forward(c, self, target, weight, reduction):
+    x, t = c.tensor(self), c.tensor(target)
+    cd = _class_dim(c, self)
+    lets = ["n", "c"][2 - len(c.shape(x)):]
+    red = c.value(reduction)  # 0 none, 1 mean, 2 sum
+    lp = Loops(ins={x: lets, t: lets[:-1]}, outs=[lets[:-1] if red == 0 else [], []], fixed={"c"})
+    if c.tensor(weight):
+        lp.ins[c.tensor(weight)] = [None]
+    if red == 1:
+        lp.fixed.add("n")  # mean divides by a global total weight
+    else:
+        lp.reduce = {"n": "sum"}  # sum: both outputs partial; none: the (zero) total weight
+    extra = [Cand({x: Split(cd)}, [Partial(), B], "class split: masked pick -> P"),
+             Cand({x: Partial()}, [Partial(), B], "linear in self")]
+    return lp, extra
+
+
+def _nll_bwd_loc(lc, grad_output, self, target):
+    lc.mask("sbpc.nll_loss_backward_masked",
+            [ax for ax, s, t in zip(lc.axes, lc.nd(self), lc.nd(target)) if isinstance(s, Split) and t == B])
+
+
+@family("nll_loss_backward", _nll_bwd_loc)
+def nll_loss_backward(c, grad_output, self, target):
+    x, t, g = c.tensor(self), c.tensor(target), c.tensor(grad_output)
+    cd = _class_dim(c, self)
+    lets = ["n", "c"][2 - len(c.shape(x)):]
+    lp = Loops(ins={x: lets, t: lets[:-1], g: ["n"] if len(c.shape(g)) == 1 and len(lets) == 2 else []},
+               outs=[lets], fixed={"c"})
+    return lp, [Cand({x: Split(cd)}, [Split(cd)], "class split: masked scatter")]
+
+
+def _mse_loc(lc, self, target, reduction):
+    if lc.value(reduction) == 1:  # mean: each rank divided by its own numel
+        for i, k in enumerate(lc.sizes):
+            if isinstance(lc.nd(self)[i], Split):
+                lc.scale /= k
+
+
+def _mse_bwd_loc(lc, grad_output, self, target, reduction):
+    _mse_loc(lc, self, target, reduction)
+
+
+@family("mse_loss", _mse_loc)
+def mse_loss(c, self, target, reduction):
+    rank = len(c.shape(c.tensor(self)))
+    lets = letters(rank)
+    red = c.value(reduction)
+    lp = Loops(ins={c.tensor(self): lets, c.tensor(target): lets}, outs=[lets if red == 0 else []])
+    if red:
+        lp.reduce = {x: "sum" for x in lets}
+    return lp, []
+
+
+@family("mse_loss_backward", _mse_bwd_loc)
+def mse_loss_backward(c, grad_output, self, target, reduction):
+    lp, _ = elementwise(c, grad_output, self, target)
+    return lp, []

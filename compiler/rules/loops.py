@@ -1,0 +1,113 @@
+"""The loop-nest view of an op, from which most SBP signatures follow.
+
+An op is read as a loop nest over named loop letters (an einsum): every tensor dim is indexed
+by one letter, or by none when it never splits (a broadcast, gathered or normalised dim).
+Splitting a letter over the axis splits every dim that letter indexes, inputs and outputs
+alike; an input without the letter is ``B``; an output without it gets the letter's
+reduction (``P`` for a sum, ``P(max)`` for a max), and a letter that is neither carried by
+every output nor reduced cannot split. Strided splits ``S(d:p)`` follow the same letters,
+because the op treats every index of a loop the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from sbpc.runtime.sbp import Broadcast, Partial, Sbp, Split
+
+Key = Hashable  # a tensor parameter name, or (name, position) for an element of a tensor list
+Dims = list  # one loop letter (str) or None per tensor dim
+B = Broadcast()
+
+
+@dataclass
+class Cand:
+    """One candidate signature, by parameter key; keys not given are B."""
+
+    ins: dict[Key, Sbp]
+    outs: list[Sbp]
+    note: str
+
+
+@dataclass
+class Loops:
+    ins: dict[Key, Dims] = field(default_factory=dict)
+    outs: list[Dims] = field(default_factory=list)
+    reduce: dict[str, str] = field(default_factory=dict)  # letter -> "sum" | "max"
+    fixed: set = field(default_factory=set)  # letters that never split
+    free_out: bool = False  # an output may split a letter no input carries (the op is told its local shape)
+    terms: dict = field(default_factory=dict)  # input key -> index of the added term it belongs to
+
+
+def letters(n: int, start: int = 0) -> list[str]:
+    return [chr(ord("a") + start + i) for i in range(n)]
+
+
+def enumerate_loops(lp: Loops, in_shape, out_shape, parts: tuple[int, ...]) -> list[Cand]:
+    """Every single-letter split of the nest, plain and strided."""
+    order: list[str] = []
+    for dims in [*lp.outs, *lp.ins.values()]:
+        for x in dims:
+            if x is not None and x not in order:
+                order.append(x)
+    cands = []
+    for x in order:
+        if x in lp.fixed:
+            continue
+        cin = [(key, d) for key, dims in lp.ins.items() for d, y in enumerate(dims) if y == x and in_shape(key)[d] != 1]
+        cout = {}
+        for i, dims in enumerate(lp.outs):
+            for d, y in enumerate(dims):
+                if y == x and out_shape(i)[d] != 1:
+                    cout[i] = d
+        if not cin and not (lp.free_out and cout):
+            continue
+        red = lp.reduce.get(x)
+        if red is None and len(cout) < len(lp.outs):
+            continue
+        # a summed letter split: an added term that lacks it is partial too, not counted k times
+        carried_terms = {lp.terms.get(key) for key, _ in cin}
+        lacking = [key for key in lp.ins if key in lp.terms and lp.terms[key] not in carried_terms] if red else []
+        for p in (1, *parts):
+            ins = {key: Split(d, p) for key, d in cin} | {key: Partial(red) for key in lacking}
+            outs = [Split(cout[i], p) if i in cout else Partial(red) for i in range(len(lp.outs))]
+            note = f"split {x}" + (f":{p}" if p > 1 else "") + (f" -> {Partial(red)!r}" if len(cout) < len(lp.outs) else "")
+            cands.append(Cand(ins, outs, note))
+    return cands
+
+
+def norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def dim_list(v: Any, rank: int) -> list[int]:
+    """A dim argument (int, list, None or [] = all dims) as sorted non-negative dims."""
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return list(range(rank))
+    if isinstance(v, int):
+        v = [v]
+    return sorted({norm_dim(int(d), max(rank, 1)) for d in v})
+
+
+def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Factor two shapes of equal numel into groups of consecutive dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj, pa, pb = [], [], 1, 1
+        if i < len(a):
+            gi.append(i)
+            pa, i = a[i], i + 1
+        if j < len(b):
+            gj.append(j)
+            pb, j = b[j], j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i)
+                pa, i = pa * a[i], i + 1
+            elif pb < pa and j < len(b):
+                gj.append(j)
+                pb, j = pb * b[j], j + 1
+            else:
+                return []  # not a view of equal numel: no split survives it
+        groups.append((gi, gj))
+    return groups

@@ -1,0 +1,276 @@
+"""SBP rules: the DSL, the engine, and the proof of every rule by execution.
+
+Every op instance of the example joint graphs (plus synthetic instances of rule-file ops the
+examples do not use) runs with real values; each signature the rule book offers on a 1-D
+axis of 2 and of 4 devices is then simulated rank by rank and must reproduce the logical
+outputs (compiler/rules/validate.py).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import compile_example
+from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, InputKind, Node, Ref, Role, TensorType
+from sbpc.compiler.rules.validate import AXIS, Instance, instances, record, run_node, validate
+from sbpc.compiler.sbp_rules import RuleBook, Signature
+from sbpc.errors import IRError
+from sbpc.runtime.backend import make_backend
+from sbpc.runtime.sbp import Broadcast, Partial, Split, local_shape
+from sbpc.runtime.sharding import combine, local_shard
+from sbpc.runtime.topology import Topology
+from sbpc.runtime.weights import init_weights
+
+B, P, PMAX = Broadcast(), Partial(), Partial("max")
+SIZES = (2, 4)
+EXAMPLES = [("gpt.py", {}), ("mlp.py", {}), ("hf_gpt2.py", {}), ("hf_gpt2.py", {"sets": {"attn": "sdpa"}})]
+
+
+@pytest.fixture(scope="module")
+def book():
+    return RuleBook.load()
+
+
+def _graph_values(graph, plan, source):
+    weights = init_weights(plan, make_backend("cpu"), 0)
+    torch.manual_seed(0)
+    batch = source.batch(plan.model.batch_size)
+    values = {}
+    for i in graph.inputs:
+        if i.kind in (InputKind.PARAM, InputKind.BUFFER):
+            values[i.value] = weights[i.name]
+        elif i.kind == InputKind.BATCH:
+            values[i.value] = batch[int(i.name.split(".")[1])]
+        else:  # optimizer state: positive values (exp_avg_sq feeds a sqrt), the step count
+            dtype = getattr(torch, {"f32": "float32", "f64": "float64", "bf16": "bfloat16"}[i.type.dtype])
+            values[i.value] = torch.rand(i.type.shape, dtype=dtype) + 0.5
+    return record(graph.nodes, values)
+
+
+@pytest.fixture(scope="module")
+def graph_instances(book):
+    out, seen = [], set()
+    for name, kw in EXAMPLES:
+        result, source, _ = compile_example(name, **kw)
+        env = _graph_values(result.graph, result.plan, source)
+        origin = name + "".join(f" {k}={v}" for k, v in kw.get("sets", {}).items())
+        out += instances(result.graph.nodes, result.graph.value_types(), env, origin, book=book, sizes=SIZES, seen=seen)
+    return out
+
+
+def _ttype(t: torch.Tensor) -> TensorType:
+    return TensorType(tuple(t.shape), DTYPE_BY_TORCH_NAME[str(t.dtype).removeprefix("torch.")])
+
+
+def synth(op: str, *args, **kwargs) -> Instance:
+    """An instance of ``op`` on the given values (tensors in args become the node's inputs)."""
+    values: dict[str, torch.Tensor] = {}
+
+    def ref(a):
+        if isinstance(a, torch.Tensor):
+            name = f"x{len(values)}"
+            values[name] = a
+            return Ref(name)
+        if isinstance(a, (list, tuple)):
+            return type(a)(ref(x) for x in a)
+        return a
+
+    node = Node([], op, ref(args), {k: ref(v) for k, v in kwargs.items()}, [], Role.FORWARD)
+    env = dict(values)
+    node.outputs = [f"out{i}" for i in range(8)]
+    run_node(node, env)
+    outs = [env[o] for o in node.outputs if o in env]
+    node.outputs = node.outputs[:len(outs)]
+    node.types = [_ttype(t) if t is not None and t.numel() >= 0 else TensorType((), "none") for t in outs]
+    uses = list(node.uses())
+    return Instance(node, [_ttype(values[u]) for u in uses], [values[u] for u in uses], outs, "synthetic")
+
+
+def _synthetic() -> list[Instance]:
+    g = torch.Generator().manual_seed(0)
+    x = lambda *s: torch.randn(*s, generator=g)
+    pos = lambda *s: torch.rand(*s, generator=g) + 0.5
+    ids = lambda hi, *s: torch.randint(0, hi, s, generator=g)
+    logp = x(8, 12).log_softmax(-1)
+    tgt = ids(12, 8)
+    tgt[3] = -100
+    cw = pos(12)
+    q, k, v = x(4, 4, 8, 8), x(4, 4, 8, 8), x(4, 4, 8, 8)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False)
+    emb_ids = ids(16, 4, 8)
+    emb_ids[0, 0] = 3
+    return [
+        synth("aten.amax.default", x(8, 12), [1], True), synth("aten.amax.default", x(8, 12), [0]),
+        synth("aten.amax.default", x(8, 12)),
+        synth("aten.exp.default", x(8, 12)), synth("aten.log.default", pos(8, 12)),
+        synth("aten.sum.default", x(8, 12)),
+        synth("aten.mean.dim", x(8, 12), [1]), synth("aten.mean.dim", x(8, 12), [0, 1], True),
+        synth("aten._safe_softmax.default", x(4, 8, 8), -1),
+        synth("aten.div.Scalar", x(8, 12), 3.0), synth("aten.rsub.Scalar", x(8, 12), 1.0),
+        synth("aten.reciprocal.default", pos(8, 12)), synth("aten.pow.Scalar", 2.0, x(8, 12)),
+        synth("aten.tril.default", x(4, 8, 8)),
+        synth("aten.bernoulli.p", pos(8, 8), 0.5),
+        synth("aten.chunk.default", x(4, 12), 3, 1),
+        synth("aten.split_with_sizes.default", x(8, 12), [4, 8], 1),
+        synth("aten.split_with_sizes.default", x(8, 12), [6, 6], 1),
+        synth("aten.empty_like.default", x(8, 12)), synth("aten.zeros_like.default", x(8, 12)),
+        synth("aten.zeros.default", [8, 4], dtype=DType("f32")), synth("aten.ones.default", [8, 4], dtype=DType("f32")),
+        synth("aten.full.default", [8, 4], 2.5, dtype=DType("f32")), synth("aten.new_ones.default", x(2, 2), [8, 4]),
+        synth("aten.arange.default", 8), synth("aten.scalar_tensor.default", 2.0, dtype=DType("f32")),
+        synth("aten.gather.default", x(8, 12), 1, ids(12, 8, 5)), synth("aten.gather.default", x(8, 12), 0, ids(8, 4, 12)),
+        synth("aten.permute.default", x(4, 8, 12), [2, 0, 1]), synth("aten.select.int", x(4, 8, 12), 1, 3),
+        synth("aten.squeeze.dim", x(4, 1, 8), 1), synth("aten.reshape.default", x(4, 8, 12), [32, 12]),
+        synth("sbpc.constant", [1.0, 2.0, 3.0, 4.0], [2, 2], DType("f32")),
+        synth("aten.nll_loss_forward.default", logp, tgt, cw, 2, -100),
+        synth("aten.nll_loss_forward.default", logp, tgt, None, 0, -100),
+        synth("aten.nll_loss_forward.default", logp, tgt, cw, 1, -100),
+        synth("aten.nll_loss_backward.default", x(8), logp, tgt, cw, 0, -100, torch.tensor(0.0)),
+        synth("aten.nll_loss_backward.default", torch.tensor(1.5), logp, tgt, cw, 1, -100, cw[tgt.clamp(0)].sum()),
+        synth("aten.mse_loss.default", x(8, 12), x(8, 12), 2), synth("aten.mse_loss.default", x(8, 12), x(8, 12), 0),
+        synth("aten.mse_loss_backward.default", x(8, 12), x(8, 12), x(8, 12), 0),
+        synth("aten.embedding.default", x(16, 8), ids(16, 8)),
+        synth("aten.embedding_dense_backward.default", x(4, 8, 8), emb_ids, 16, 3, True),
+        synth("aten.embedding_dense_backward.default", x(4, 8, 8), emb_ids, 16, 3, False),
+        synth("sbpc.attention", q, k, v, 0.0, False),
+        synth("sbpc.attention_backward", x(4, 4, 8, 8), q, k, v, out, lse, 0.0, False),
+    ]
+
+
+@pytest.fixture(scope="module")
+def report(book, graph_instances):
+    return validate(book, graph_instances + _synthetic(), sizes=SIZES)
+
+
+def test_every_signature_computes_the_logical_result(report):
+    failures = report.failures
+    if failures:  # pytest.fail, not assert: the report holds tensors that assertion rewriting would print
+        pytest.fail(f"{len(failures)} of {len(report.outcomes)} signatures fail:\n" + "\n".join(map(str, failures[:20])))
+
+
+def test_every_rule_is_exercised(book, report):
+    cov = report.coverage()
+    missing = [op for op in book.ops() if op not in cov]
+    assert not missing, f"rules no instance exercises: {missing}"
+    never = [op for op, (_, offered, held) in cov.items() if offered and not held]
+    assert not never, f"rules whose non-B signatures never held: {never}"
+    # the families that make parallelism possible offer real splits on these instances
+    for op in ("aten.mm.default", "aten.embedding.default", "aten.amax.default", "aten.split.Tensor",
+               "aten.cat.default", "sbpc.attention", "aten.nll_loss_forward.default"):
+        assert cov[op][1] > 0, op
+
+
+def _ops(insts, op):
+    return [i for i in insts if i.node.op == op]
+
+
+def test_a_wrong_rule_fails_validation(graph_instances):
+    wrong = RuleBook.from_text('aten.mm.default = einsum("mk,kn->mk")')  # says a split k gives S, not P
+    rep = validate(wrong, _ops(graph_instances, "aten.mm.default")[:2], sizes=(2,))
+    assert any("deviates" in str(o) or "shape" in str(o) for o in rep.failures)
+    wrong = RuleBook.from_text("aten.mul.Tensor = elementwise(self, other) partial(self+other)")  # P * P is not P
+    rep = validate(wrong, [synth("aten.mul.Tensor", torch.randn(4, 4), torch.randn(4, 4))], sizes=(2,))
+    assert [str(o.signature) for o in rep.failures] == ["(P, P) -> (P)"]
+    wrong = RuleBook.from_text("aten.exp.default = elementwise(self) partial(self)")  # exp is not linear
+    assert validate(wrong, [synth("aten.exp.default", torch.randn(4, 4))], sizes=(2,)).failures
+
+
+def test_signatures_all_b_first_and_divisible(book):
+    t = TensorType
+    n = Node(["o"], "aten.mm.default", (Ref("a"), Ref("b")), {}, [t((6, 4), "f32")], Role.FORWARD)
+    sigs = book.signatures(n, [t((6, 8), "f32"), t((8, 4), "f32")], 4)
+    assert sigs[0] == Signature((B, B), (B,), "all B")
+    assert (Split(1), Split(0)) in [s.ins for s in sigs]  # k: 8 divides by 4
+    assert not any(s.outs == (Split(0),) for s in sigs)  # m: 6 does not
+    assert ((P, B), (P,)) in [(s.ins, s.outs) for s in sigs]
+    unknown = Node(["o"], "aten.fancy.default", (Ref("a"),), {}, [t((4,), "f32")], Role.FORWARD)
+    assert book.signatures(unknown, [t((4,), "f32")], 2) == [Signature((B,), (B,), "all B")]
+    assert not book.has_rule("aten.fancy.default") and book.has_rule("aten.mm.default")
+
+
+def test_addmm_bias_is_partial_when_k_splits(book):
+    t = TensorType
+    n = Node(["o"], "aten.addmm.default", (Ref("b"), Ref("x"), Ref("w")), {}, [t((8, 4), "f32")], Role.FORWARD)
+    sigs = {(s.ins, s.outs) for s in book.signatures(n, [t((4,), "f32"), t((8, 6), "f32"), t((6, 4), "f32")], 2)}
+    assert ((P, Split(1), Split(0)), (P,)) in sigs
+    assert ((B, Split(1), Split(0)), (P,)) not in sigs
+
+
+def test_strided_split_through_qkv(book):
+    t = TensorType
+    split = Node(["q", "k", "v"], "aten.split.Tensor", (Ref("x"), 64, 2), {}, [t((4, 32, 64), "f32")] * 3, Role.FORWARD)
+    sigs = [(s.ins, s.outs) for s in book.signatures(split, [t((4, 32, 192), "f32")], 2)]
+    assert ((Split(2, 3),), (Split(2),) * 3) in sigs
+    cat = Node(["c"], "aten.cat.default", ([Ref("a"), Ref("b"), Ref("c")], 2), {}, [t((4, 32, 192), "f32")], Role.FORWARD)
+    sigs = [(s.ins, s.outs) for s in book.signatures(cat, [t((4, 32, 64), "f32")] * 3, 2)]
+    assert ((Split(2),) * 3, (Split(2, 3),)) in sigs
+    [local] = book.localize(split, [(Split(2, 3),)], [(Split(2),)] * 3, (2,), ("tp",))
+    assert local.args == (Ref("x"), 32, 2) and local.types == split.types and local.sbp == [(Split(2),)] * 3
+
+
+def test_localize_rewrites_shapes_kernels_and_scales(book):
+    t = TensorType
+    view = Node(["o"], "aten.view.default", (Ref("x"), [-1, 64]), {}, [t((128, 64), "f32")], Role.FORWARD)
+    [lv] = book.localize(view, [(Split(0), B)], [(Split(0), B)], (2, 4), ("dp", "tp"))
+    assert lv.args == (Ref("x"), [64, 64]) and view.args == (Ref("x"), [-1, 64])
+    emb = Node(["e"], "aten.embedding.default", (Ref("w"), Ref("i")), {}, [t((4, 8, 16), "f32")], Role.FORWARD)
+    [le] = book.localize(emb, [(B, Split(0)), (Split(0), B)], [(Split(0), P)], (2, 4), ("dp", "tp"))
+    assert le.op == "sbpc.embedding_masked" and le.kwargs == {"axis": "tp"}
+    mean = Node(["m"], "aten.mean.dim", (Ref("x"), [1]), {}, [t((8,), "f32")], Role.FORWARD)
+    main, scale = book.localize(mean, [(Split(1), Split(1))], [(P, P)], (2, 4), ("dp", "tp"))
+    assert main.outputs == ["m__unscaled"] and scale.outputs == ["m"]
+    assert scale.op == "aten.mul.Tensor" and scale.args == (Ref("m__unscaled"), 1 / 8) and scale.sbp == [(P, P)]
+    assert book.localize(mean, [(Split(0), B)], [(Split(0), B)], (2, 4), ("dp", "tp"))[0].outputs == ["m"]
+
+
+def test_masked_embedding_on_two_axes():
+    """Vocab split over dp and tp at once: each rank's block offset folds both coordinates."""
+    book = RuleBook.load()
+    w, ids = torch.randn(16, 4), torch.randint(0, 16, (2, 8))
+    node = Node(["e"], "aten.embedding.default", (Ref("w"), Ref("i")), {}, [TensorType((2, 8, 4), "f32")], Role.FORWARD)
+    sizes, axes = (2, 2), ("dp", "tp")
+    [local] = book.localize(node, [(Split(0), Split(0)), (B, B)], [(P, P)], sizes, axes)
+    assert local.kwargs["axis"] == ["dp", "tp"]
+    outs = []
+    for rank in range(4):
+        topo = Topology((("dp", 2), ("tp", 2)), rank)
+        env = {"w": local_shard(w, (Split(0), Split(0)), topo.sbp_coords(), sizes), "i": ids}
+        run_node(local, env, topo)
+        outs.append(env["e"])
+    rows = [combine(outs[2 * d:2 * d + 2], P) for d in range(2)]
+    assert torch.allclose(combine(rows, P), torch.nn.functional.embedding(ids, w))
+
+
+def test_local_shapes_match(book, graph_instances):
+    """Localized shape arguments give the local shape the signature promises (spot check)."""
+    for inst in _ops(graph_instances, "aten.view.default")[:3]:
+        for sig in book.signatures(inst.node, inst.in_types, 2)[1:]:
+            [local] = book.localize(inst.node, [(s,) for s in sig.ins], [(s,) for s in sig.outs], (2,), (AXIS,))
+            if "size" in str(local.args) or isinstance(local.args[1], list):
+                assert tuple(local.args[1]) == local_shape(inst.node.types[0].shape, sig.outs, (2,))
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ('aten.mm.default = einsum("mk,kn->mn"', r"<t>:1:37", r"unexpected end|expected"),
+    ("aten.mm.default = einsum(\"mk\")\n\naten.bmm.default = @", r"<t>:3:20", r"unexpected character '@'"),
+    ("aten.mm.default = nosuch(self)", r"<t>:1:19", r"unknown family 'nosuch'"),
+    ("aten.mm.default = elementwise(self, mat3)", r"<t>:1:37", r"no parameter 'mat3'"),
+    ("\n# c\naten.mm.default = elementwise(self) partial(self)\naten.mm.default = broadcast_only", r"<t>:4:1",
+     r"second rule for aten.mm.default"),
+    ("aten.nosuch.default = broadcast_only", r"<t>:1:1", r"unknown op"),
+    ("aten.mm.default = elementwise(self) sometimes(self)", r"<t>:1:37", r"unknown modifier"),
+    ("aten.mm.default = reduce(self)", r"<t>:1:19", r"family reduce takes"),
+])
+def test_parse_errors_name_file_line_col(text, where, what):
+    with pytest.raises(IRError) as e:
+        RuleBook.from_text(text, "<t>")
+    assert re.search(re.escape(where) if ":" in where else where, str(e.value)), str(e.value)
+    assert re.search(what, str(e.value)), str(e.value)
+
+
+def test_load_reads_a_path(tmp_path):
+    p = tmp_path / "r.sbp"
+    p.write_text("aten.mm.default = einsum(\"mk,kn->mn\")\naten.mm.default = x(\n")
+    with pytest.raises(IRError, match=re.escape(str(p)) + r":2:\d+"):
+        RuleBook.load(p)
