@@ -60,8 +60,13 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
 
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model) -> float:
+    """Seconds the conversion takes under ``model``; infinite where no boxing exists (into P(max))."""
+    try:
+        steps = plan_boxing(src, dst, t, sizes)
+    except CompileError:
+        return float("inf")
     cost, cur = 0.0, src
-    for s in plan_boxing(src, dst, t, sizes):
+    for s in steps:
         nbytes = _local_bytes(t, cur, sizes)
         cost += model.collective(s.kind, nbytes, sizes[s.axis])
         cur = s.after

@@ -2,7 +2,9 @@
 
 A cost model is a parameter of the propagation pass, never hard-wired. ``AlphaBeta`` is the
 classic latency-bandwidth model of ring collectives over k devices (alpha per step, beta per
-byte), plus a memory-bound compute term (gamma per byte an op touches).
+byte) plus a fixed cost per collective call, and a memory-bound compute term (gamma per byte
+an op touches). The per-call cost is why one all-reduce beats the reduce-scatter +
+all-gather pair that moves the same bytes, unless the pair saves real compute in between.
 """
 from __future__ import annotations
 
@@ -21,17 +23,18 @@ class CostModel(Protocol):
 @dataclass(frozen=True)
 class AlphaBeta:
     alpha: float = 20e-6  # s per ring step (latency)
+    launch: float = 50e-6  # s per collective call (launch, synchronisation): favours fewer, larger ones
     beta: float = 1 / 10e9  # s per byte over a link
     gamma: float = 1 / 200e9  # s per byte touched by a kernel
 
     def collective(self, kind: str, nbytes: int, k: int) -> float:
-        a, b = self.alpha, self.beta
+        a, b, c = self.alpha, self.beta, self.launch
         if kind == "all_reduce":
-            return 2 * (k - 1) * a + 2 * (k - 1) / k * nbytes * b
+            return c + 2 * (k - 1) * a + 2 * (k - 1) / k * nbytes * b
         if kind == "all_gather":
-            return (k - 1) * a + (k - 1) * nbytes * b
+            return c + (k - 1) * a + (k - 1) * nbytes * b
         if kind in ("reduce_scatter", "all_to_all"):
-            return (k - 1) * a + (k - 1) / k * nbytes * b
+            return c + (k - 1) * a + (k - 1) / k * nbytes * b
         if kind in ("shard_slice", "keep_first"):
             return self.gamma * nbytes  # local: no link, a copy at most
         raise ValueError(f"unknown boxing step {kind}")

@@ -3,7 +3,9 @@
 After propagation each op records what it needs of each input (``sbp_in``). Where the
 producer made something else, the steps of ``boxing_plan`` (one collective, slice or mask
 per mesh axis) are inserted right before the first op that needs it; later ops needing the
-same conversion reuse the result. Updated parameters and optimizer state are converted back
+same conversion reuse the result. A collective carries the source location of the op whose
+result it converts (the row-parallel matmul, not the layer norm after it), and its ``why``
+names the op that needed it. Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
 The pass ends by verifying that every consumer receives exactly the SBP it expects.
 """
@@ -39,6 +41,7 @@ class _Inserter:
         self.boxed: dict[tuple[str, NdSbp], str] = {}
         self.rename: dict[str, str] = {}
         self.taken = set(self.types)
+        self.made_at = {o: n.loc for n in graph.nodes for o in n.outputs}
         self.out: list[Node] = []
 
     def run(self) -> Graph:
@@ -73,7 +76,7 @@ class _Inserter:
             name = self._fresh(f"{value}_{step.kind}")
             self.out.append(Node(
                 [name], step.op, (Ref(cur_name),), {"axis": self.axes[step.axis], **dict(step.kwargs)},
-                [self.types[value]], consumer.role, loc=consumer.loc, stage=consumer.stage,
+                [self.types[value]], consumer.role, loc=self.made_at.get(value) or consumer.loc, stage=consumer.stage,
                 sbp=[step.after], sbp_in=[cur],
                 why=f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}"))
             self.sbp[name] = step.after

@@ -46,7 +46,7 @@ class SbpPropagate:
         solver.fix_inputs()
         solver.greedy()
         for _ in range(self.rounds):
-            if not solver.refine():
+            if not (solver.refine() | solver.refine_values()):
                 break
         return solver.result()
 
@@ -75,6 +75,10 @@ class _Solver:
         self.types: dict[str, TensorType] = layouts.types
         self.cands: list[list[NdSignature]] = [layouts.candidates(i) for i in range(len(graph.nodes))]
         self.uses = [list(n.uses()) for n in graph.nodes]
+        self.consumers: dict[str, list[int]] = {}
+        for idx, uses in enumerate(self.uses):
+            for v in dict.fromkeys(uses):
+                self.consumers.setdefault(v, []).append(idx)
         self.sbp: dict[str, NdSbp] = {}
         self.why: dict[str, str] = {}
         self.req: dict[str, dict[tuple, NdSbp]] = {}  # value -> (consumer, position) -> needed nd-SBP
@@ -171,17 +175,26 @@ class _Solver:
         for idx in range(len(self.g.nodes)):
             best, best_key = 0, None
             for ci, c in enumerate(self.cands[idx]):
-                cost = self.compute(idx, c)
+                cost = 0.0
                 for pos, v in enumerate(self.uses[idx]):
                     have = set(self.req.get(v, {}).values())
                     if c.ins[pos] != self.sbp[v] and c.ins[pos] not in have:
-                        cost += self.box(self.sbp[v], c.ins[pos], self.types[v])
+                        cost += self.greedy_box(self.sbp[v], c.ins[pos], self.types[v])
                 for j, o in enumerate(self.g.nodes[idx].outputs):
                     cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
-                key = (round(cost, 15), _partials(c), ci)
+                key = (round(cost, 12), _partials(c), ci)
                 if best_key is None or key < best_key:
                     best, best_key = ci, key
             self._set(idx, best)
+
+    def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
+        """The first pass cannot see what consumers will need, so it prices a reduction into a
+        split (reduce-scatter) as the full all-reduce it may later need, and so leaves partial
+        values whole unless the split is known to pay; refinement prices it exactly."""
+        via_b = tuple(Broadcast() if isinstance(d, Split) and isinstance(s, Partial) else d for s, d in zip(src, dst))
+        if via_b != dst:
+            return self.box(src, via_b, t) + self.box(via_b, dst, t)
+        return self.box(src, dst, t)
 
     def local_cost(self, idx: int, c: NdSignature) -> float:
         cost = self.compute(idx, c)
@@ -209,6 +222,44 @@ class _Solver:
                 self._set(idx, best)
                 changed = True
         return changed
+
+    def refine_values(self) -> bool:
+        """Joint moves: all consumers of one value switch to taking it in one layout together.
+        Single-op moves cannot leave a state where two consumers share one collective (a
+        residual feeding both a layer norm and an add); this move can."""
+        changed = False
+        for v, idxs in self.consumers.items():
+            if len(idxs) < 2:
+                continue
+            targets = {c.ins[p] for i in idxs for c in self.cands[i] for p, u in enumerate(self.uses[i]) if u == v}
+            for t in sorted(targets, key=repr):
+                if all(self.cands[i][self.choice[i]].ins[p] == t for i in idxs
+                       for p, u in enumerate(self.uses[i]) if u == v):
+                    continue
+                changed |= self._try_joint(v, t, idxs)
+        return changed
+
+    def _try_joint(self, v: str, t: NdSbp, idxs: list[int]) -> bool:
+        touched = {u for i in idxs for u in self.uses[i]} | {o for i in idxs for o in self.g.nodes[i].outputs}
+        before = self._cost_of(idxs, touched)
+        saved = [self.choice[i] for i in idxs]
+        for i in idxs:
+            ok = [ci for ci, c in enumerate(self.cands[i])
+                  if all(c.ins[p] == t for p, u in enumerate(self.uses[i]) if u == v)]
+            if not ok:
+                for j, ci in zip(idxs, saved):
+                    self._set(j, ci)
+                return False
+            self._set(i, min(ok, key=lambda ci: (round(self.local_cost(i, self.cands[i][ci]), 15), ci)))
+        if self._cost_of(idxs, touched) < before * (1 - 1e-9):
+            return True
+        for j, ci in zip(idxs, saved):
+            self._set(j, ci)
+        return False
+
+    def _cost_of(self, idxs: list[int], values: set[str]) -> float:
+        cost = sum(self.compute(i, self.cands[i][self.choice[i]]) for i in idxs)
+        return cost + sum(self.value_cost(v, self.sbp[v], self.req.get(v, {}).values()) for v in values)
 
     def _set(self, idx: int, ci: int) -> None:
         self.choice[idx] = ci

@@ -1,0 +1,106 @@
+"""Data, tensor and sequence parallelism: parity with the single device on real gloo ranks,
+and the collectives each strategy must emit (counted per kind, axis, phase and layer)."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from conftest import sbpc
+from sbpc.compiler.comm_report import collectives
+from sbpc.compiler.driver import compile_model
+from sbpc.compiler.hints import load_config
+from sbpc.compiler.mesh import parse_mesh
+from sbpc.compiler.model_loader import load_model
+from sbpc.compiler.optim import OptimizerConfig
+
+TOL = "1e-4"  # the acceptance bound (fp32); measured deviations are printed by each check
+GPT = ["examples/gpt.py", "--config", "examples/gpt.megatron.toml"]
+HF = ["examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml"]
+MESHES = ["2x1", "4x1", "1x2", "1x4", "2x2"]
+
+
+def _check(*args: str):
+    r = sbpc("check", *args, "--steps", "2", "--tolerance", TOL, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"largest deviation .*: PASS", r.stdout), r.stdout
+    return r.stdout
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_gpt_megatron_parity(mesh):
+    _check(*GPT, "--mesh", mesh)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_hf_gpt2_parity(mesh):
+    _check(*HF, "--mesh", mesh)
+
+
+def test_gpt_sequence_parallel_parity():
+    _check(*GPT, "--mesh", "2x2", "--set", "sp=True")
+
+
+def test_hf_gpt2_sequence_parallel_parity():
+    _check("examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron-sp.toml", "--mesh", "2x2")
+
+
+# ----- collective counts (compile only)
+
+def _plan(model: str, mesh: str, config: str | None = None, **sets):
+    cfg = load_config(config) if config else None
+    return compile_model(load_model(model, sets), parse_mesh(mesh), batch_size=4, optimizer=OptimizerConfig(),
+                         config=cfg).plan
+
+
+def _layer(module: str) -> str | None:
+    m = re.match(r"(?:model\.transformer\.)?h\.(\d+)(\.|$)", module)
+    return m.group(1) if m else None
+
+
+def _moving(plan):
+    return [c for c in collectives(plan) if c.moves_data]
+
+
+def test_data_parallel_reduces_each_gradient_once():
+    plan = _plan("examples/gpt.py", "2x1")
+    cs = _moving(plan)
+    assert {(c.axis, c.kind) for c in cs} == {("dp", "all_reduce")}
+    grads = {p.grad for p in plan.params}
+    assert Counter(c.value for c in cs if c.value in grads) == Counter(grads)  # each gradient once
+    # and one all-reduce of the 0-dim token count, which makes the mean loss exact (cross-entropy
+    # divides by the tokens of the whole batch, not of each shard)
+    others = [c for c in cs if c.value not in grads]
+    assert len(others) == 1 and others[0].nbytes <= 8 and others[0].role == "fwd", others
+
+
+def test_megatron_tensor_parallel_counts():
+    plan = _plan("examples/gpt.py", "1x2", "examples/gpt.megatron.toml")
+    cs = _moving(plan)
+    per_layer = Counter((_layer(c.module), c.kind, c.role) for c in cs if _layer(c.module) is not None)
+    for layer in ("0", "1"):
+        assert per_layer[(layer, "all_reduce", "fwd")] == 2, per_layer
+        assert per_layer[(layer, "all_reduce", "bwd")] == 2, per_layer
+    layer_kinds = {(k, r) for (l, k, r) in per_layer if l is not None}
+    assert layer_kinds <= {("all_reduce", "fwd"), ("all_reduce", "bwd")}, per_layer
+    # vocab-parallel embedding and cross-entropy: the logits are never gathered
+    assert not [c for c in cs if c.kind == "all_gather"], [c for c in cs if c.kind == "all_gather"]
+    logits_bytes = 4 * 32 * 256 * 4
+    assert all(c.nbytes < logits_bytes for c in cs)
+    # the fused qkv is sharded per head: its weight is a strided split, no collective in attention
+    spec = {p.name: p.sbp for p in plan.params}
+    assert spec["h.0.attn.c_attn.weight"] == ["B", "S(0:3)"]
+
+
+def test_sequence_parallel_counts():
+    plan = _plan("examples/gpt.py", "1x2", "examples/gpt.megatron.toml", sp=True)
+    cs = _moving(plan)
+    per_layer = Counter((_layer(c.module), c.kind, c.role) for c in cs if _layer(c.module) is not None)
+    big = 4 * 32 * 64 * 4 // 2  # a tp shard of the residual stream
+    for layer in ("0", "1"):
+        layer_cs = [c for c in cs if _layer(c.module) == layer and c.nbytes >= big // 2]
+        kinds = Counter((c.kind, c.role) for c in layer_cs)
+        assert kinds[("all_gather", "fwd")] == 2 and kinds[("reduce_scatter", "fwd")] == 2, kinds
+        assert kinds[("all_gather", "bwd")] == 2 and kinds[("reduce_scatter", "bwd")] == 2, kinds
+        assert kinds[("all_reduce", "fwd")] == 0 and kinds[("all_reduce", "bwd")] == 0, kinds
