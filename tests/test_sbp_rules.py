@@ -120,6 +120,7 @@ def _synthetic() -> list[Instance]:
         synth("aten.full.default", [8, 4], 2.5, dtype=DType("f32")), synth("aten.new_ones.default", x(2, 2), [8, 4]),
         synth("aten.arange.default", 8), synth("aten.scalar_tensor.default", 2.0, dtype=DType("f32")),
         synth("aten.gather.default", x(8, 12), 1, ids(12, 8, 5)), synth("aten.gather.default", x(8, 12), 0, ids(8, 4, 12)),
+        synth("aten.gather.default", x(8, 12), 1, ids(12, 4, 4)),
         synth("aten.permute.default", x(4, 8, 12), [2, 0, 1]), synth("aten.select.int", x(4, 8, 12), 1, 3),
         synth("aten.squeeze.dim", x(4, 1, 8), 1), synth("aten.reshape.default", x(4, 8, 12), [32, 12]),
         synth("sbpc.constant", [1.0, 2.0, 3.0, 4.0], [2, 2], DType("f32")),
@@ -221,6 +222,7 @@ def test_localize_rewrites_shapes_kernels_and_scales(book):
     main, scale = book.localize(mean, [(Split(1), Split(1))], [(P, P)], (2, 4), ("dp", "tp"))
     assert main.outputs == ["m__unscaled"] and scale.outputs == ["m"]
     assert scale.op == "aten.mul.Tensor" and scale.args == (Ref("m__unscaled"), 1 / 8) and scale.sbp == [(P, P)]
+    assert scale.sbp_in == [(P, P)] and main.sbp == [(P, P)]
     assert book.localize(mean, [(Split(0), B)], [(Split(0), B)], (2, 4), ("dp", "tp"))[0].outputs == ["m"]
 
 

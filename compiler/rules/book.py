@@ -215,6 +215,8 @@ class RuleBook:
             raise CompileError(f"cannot scale the outputs of {node.op}: it has {len(node.outputs)}")
         out = node.outputs[0]
         new.outputs = [f"{out}__unscaled"]
-        scale = Node([out], "aten.mul.Tensor", (Ref(new.outputs[0]), lc.scale), {}, list(node.types), node.role,
-                     loc=node.loc, stage=node.stage, sbp=list(out_nd))
+        scale = replace(node, outputs=[out], op="aten.mul.Tensor", args=(Ref(new.outputs[0]), lc.scale), kwargs={},
+                        types=list(node.types), sbp=list(out_nd))
+        if hasattr(scale, "sbp_in"):
+            scale.sbp_in = [out_nd[0]]
         return [new, scale]

@@ -330,7 +330,9 @@ def _gather_lets(c, self, dim, index):
     d = norm_dim(c.value(dim), len(shp))
     lets = letters(len(idx))
     ins = [None if i == d or shp[i] != idx[i] else lets[i] for i in range(len(shp))]
-    return Loops(ins={c.tensor(self): ins, c.tensor(index): lets}, outs=[lets]), []
+    # off the gathered dim, index row i reads self row i: a shorter index dim cannot split alone
+    fixed = {lets[i] for i in range(len(shp)) if i != d and shp[i] != idx[i]}
+    return Loops(ins={c.tensor(self): ins, c.tensor(index): lets}, outs=[lets], fixed=fixed), []
 
 
 family("gather")(_gather_lets)
