@@ -74,11 +74,23 @@ def use_keys(node: Node, params: list[tuple[str, Any]]) -> list:
     return keys
 
 
+def _literals(a: Any) -> Any:
+    """``a`` with every value reference blanked: signatures never depend on value names."""
+    if isinstance(a, Ref):
+        return Ref("")
+    if isinstance(a, dict):
+        return {k: _literals(v) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return [_literals(x) for x in a]
+    return a
+
+
 class RuleBook:
     def __init__(self, rules: list[Rule], text: str = "", strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS):
         self.rules: dict[str, Rule] = {}
         self.strided_parts = tuple(strided_parts)
         self._params: dict[str, list] = {}
+        self._memo: dict = {}
         for r in rules:
             self._check(r, text)
             self.rules[r.op] = r
@@ -134,6 +146,15 @@ class RuleBook:
     # ------------------------------------------------------------ signatures
 
     def signatures(self, node: Node, in_types: list[TensorType], axis_size: int) -> list[Signature]:
+        """Every valid signature of ``node`` on an axis of ``axis_size`` devices, all-B first.
+        Memoised by what they depend on (op, literal arguments, types), so repeated layers are free."""
+        key = (node.op, repr(_literals(node.args)), repr(_literals(node.kwargs)), tuple(in_types), tuple(node.types),
+               axis_size, self.strided_parts)
+        if key not in self._memo:
+            self._memo[key] = self._signatures(node, in_types, axis_size)
+        return list(self._memo[key])
+
+    def _signatures(self, node: Node, in_types: list[TensorType], axis_size: int) -> list[Signature]:
         rule = self.rules.get(node.op)
         params = self._params.get(node.op) or op_params(node.op)
         keys = use_keys(node, params)
