@@ -109,7 +109,9 @@ class Backend(ABC):
 
     def __init__(self, communicator: Communicator, topology: Topology | None = None):
         self.communicator = communicator
-        self.topology = topology if topology is not None else single_device_topology()
+        if topology is None:  # a GlooCommunicator knows its mesh
+            topology = getattr(communicator, "topology", None) or single_device_topology()
+        self.topology = topology
         if self.topology.world_size != communicator.world_size and self.topology.axes:
             raise PlanError(f"the mesh {dict(self.topology.axes)} has {self.topology.world_size} devices "
                             f"but the communicator spans {communicator.world_size} ranks",
@@ -151,7 +153,8 @@ def torch_op(op: str):
 
 def make_backend(name: str, communicator: Communicator | None = None, topology: Topology | None = None) -> Backend:
     """The backend ``name`` over ``communicator`` (default: the one-device LocalCommunicator) at
-    ``topology`` (default: a one-device mesh, rank 0)."""
+    ``topology`` (default: the communicator's ``topology`` if it has one, else a one-device
+    mesh, rank 0)."""
     from sbpc.runtime.cpu import CpuBackend
 
     backends = {"cpu": CpuBackend}

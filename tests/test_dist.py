@@ -351,3 +351,27 @@ def test_an_error_in_the_spawned_ranks_is_one_line_with_exit_code_2(tmp_path, dp
     assert re.fullmatch(r"sbpc: error: rank 0: weights file \S+bad\.pt: w has shape \[3, 3\], the plan expects \[4, 6\]"
                         r"; hint: .*\n", proc.stderr), proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_compiled_data_parallel_plan_matches_its_one_device_run(tmp_path):
+    """End to end with the compiler: examples/mlp.py for dp=2 on two spawned ranks."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.mesh import parse_mesh
+    from sbpc.compiler.model_loader import load_model
+    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.runtime.plan import save_plan
+    from sbpc.runtime.runner import BatchSource, step_seed
+
+    source = load_model("examples/mlp.py", {})
+    plan = compile_model(source, parse_mesh("dp=2"), batch_size=4, optimizer=OptimizerConfig()).plan
+    assert any(ins.op.startswith("sbpc.all_") for ins in plan.stages[0].instructions)
+    path = tmp_path / "dp2.json"
+    save_plan(plan, str(path))
+    payload = {"plan": str(path), "steps": 3, "seed": 0, "backend": "cpu", "weights": None, "save": None,
+               "threads": None, "timeout": TIMEOUT, "debug": False}
+    results = launch(2, "sbpc.runtime.cli:run_rank", payload, timeout=TIMEOUT, on_output=lambda r, line: None)
+    one = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig()).plan
+    runner, batches = Runner(one, make_backend("cpu"), seed=0), BatchSource(one, 0)
+    expected = [runner.step(batches(s), rng_seed=step_seed(0, s)).loss for s in range(3)]
+    for r in results:
+        assert r["losses"] == pytest.approx(expected, rel=1e-5)
