@@ -75,7 +75,9 @@ class Layouts:
                     for v, s in zip(names, sig.ins + sig.outs):
                         if isinstance(s, Split):
                             groups.setdefault(s.parts, []).append((v, s.dim))
-                    source = len(groups) > 1  # a split/cat: block counts change across the op
+                    # a split/cat: block counts change across the op; the rule's base form (plain
+                    # splits on one side) says how many blocks the other side has
+                    source = len(groups) > 1 and min(groups) == 1
                     for parts, pos in groups.items():
                         for p in pos[1:]:
                             uf.union(pos[0], p)

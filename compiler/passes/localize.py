@@ -32,8 +32,15 @@ class Localize:
             if n.op in COLLECTIVES or _replicated(n):
                 nodes.append(n)
             else:
-                nodes.extend(rules.localize(n, list(n.sbp_in or []), list(n.sbp or []), sizes, axes))
+                nodes.extend(_reshape(m) for m in rules.localize(n, list(n.sbp_in or []), list(n.sbp or []), sizes, axes))
         return replace(graph, nodes=nodes)
+
+
+def _reshape(n: Node) -> Node:
+    """A shard's strides are not the logical tensor's (a kernel may lay out a one-head shard
+    differently), so a view that was legal on the whole tensor may not be on the shard. The
+    graph is functional, so reshape (a copy only where needed) computes the same value."""
+    return replace(n, op="aten.reshape.default") if n.op == "aten.view.default" else n
 
 
 def _replicated(n: Node) -> bool:

@@ -39,15 +39,24 @@ class SbpPropagate:
         sizes = tuple(graph.mesh.size(a) for a in axes)
         if all(k == 1 for k in sizes):
             return _all_broadcast(graph, axes)
-        rules = self.rules or RuleBook.load()
+        rules = self.rules
+        if rules is None:
+            rules = RuleBook.load()
+            rules.strided_parts = ()  # block counts come from the whole-graph analysis (sbp_layout)
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
         layouts = Layouts(graph, rules, sizes)
         solver = _Solver(graph, layouts, sizes, self.cost_model)
         solver.fix_inputs()
         solver.greedy()
+        busy = [a for a, k in enumerate(sizes) if k > 1]
         for _ in range(self.rounds):
-            if not (solver.refine() | solver.refine_values()):
+            changed = False
+            for a in busy:
+                solver.focus = a if len(busy) > 1 else None
+                changed |= solver.refine() | solver.refine_values() | solver.refine_cascades()
+            if not changed:
                 break
+        solver.focus = None
         return solver.result()
 
 
@@ -75,6 +84,7 @@ class _Solver:
         self.types: dict[str, TensorType] = layouts.types
         self.cands: list[list[NdSignature]] = [layouts.candidates(i) for i in range(len(graph.nodes))]
         self.uses = [list(n.uses()) for n in graph.nodes]
+        self.producer = {o: idx for idx, n in enumerate(graph.nodes) for o in n.outputs}
         self.consumers: dict[str, list[int]] = {}
         for idx, uses in enumerate(self.uses):
             for v in dict.fromkeys(uses):
@@ -83,6 +93,7 @@ class _Solver:
         self.why: dict[str, str] = {}
         self.req: dict[str, dict[tuple, NdSbp]] = {}  # value -> (consumer, position) -> needed nd-SBP
         self.choice: list[int] = [0] * len(graph.nodes)
+        self.focus: int | None = None  # the mesh axis refinement works on
         self._box: dict = {}
         self._hint_filters()
 
@@ -188,9 +199,9 @@ class _Solver:
             self._set(idx, best)
 
     def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
-        """The first pass cannot see what consumers will need, so it prices a reduction into a
-        split (reduce-scatter) as the full all-reduce it may later need, and so leaves partial
-        values whole unless the split is known to pay; refinement prices it exactly."""
+        """How the first pass prices a conversion. It cannot see consumers yet, so it is
+        pessimistic about partial values: it prices a reduce-scatter as the all-reduce its
+        consumers will likely need. Refinement then prices everything exactly."""
         via_b = tuple(Broadcast() if isinstance(d, Split) and isinstance(s, Partial) else d for s, d in zip(src, dst))
         if via_b != dst:
             return self.box(src, via_b, t) + self.box(via_b, dst, t)
@@ -210,11 +221,13 @@ class _Solver:
     def refine(self) -> bool:
         changed = False
         for idx in range(len(self.g.nodes)):
-            if len(self.cands[idx]) < 2:
+            opts = self.options(idx)
+            if len(opts) < 2:
                 continue
             cur = self.local_cost(idx, self.cands[idx][self.choice[idx]])
             best, best_key = self.choice[idx], (round(cur, 15), _partials(self.cands[idx][self.choice[idx]]), self.choice[idx])
-            for ci, c in enumerate(self.cands[idx]):
+            for ci in opts:
+                c = self.cands[idx][ci]
                 key = (round(self.local_cost(idx, c), 15), _partials(c), ci)
                 if key < best_key:
                     best, best_key = ci, key
@@ -231,7 +244,7 @@ class _Solver:
         for v, idxs in self.consumers.items():
             if len(idxs) < 2:
                 continue
-            targets = {c.ins[p] for i in idxs for c in self.cands[i] for p, u in enumerate(self.uses[i]) if u == v}
+            targets = {self.cands[i][ci].ins[p] for i in idxs for ci in self.options(i) for p, u in enumerate(self.uses[i]) if u == v}
             for t in sorted(targets, key=repr):
                 if all(self.cands[i][self.choice[i]].ins[p] == t for i in idxs
                        for p, u in enumerate(self.uses[i]) if u == v):
@@ -239,13 +252,71 @@ class _Solver:
                 changed |= self._try_joint(v, t, idxs)
         return changed
 
+    def refine_cascades(self, budget: int = 24) -> bool:
+        """Large moves: give one op another signature, let its neighbours re-choose in turn
+        (breadth first, at most ``budget`` ops), and keep the result if the total went down.
+        This is how a reduction moves to where it belongs when a chain of ops must follow."""
+        changed = False
+        for idx in self._hot_nodes():
+            for ci in self.options(idx):
+                if ci != self.choice[idx] and self._try_cascade(idx, ci, budget):
+                    changed = True
+        return changed
+
+    def _hot_nodes(self) -> list[int]:
+        """Ops next to a conversion that costs more than a local copy: where moves can pay."""
+        hot = set()
+        for v, reqs in self.req.items():
+            src = self.sbp.get(v)
+            for t in set(reqs.values()):
+                if t != src and self.box(src, t, self.types[v]) > self.model.collective("keep_first", self.types[v].nbytes, 2):
+                    hot.update(k[0] for k, tt in reqs.items() if tt == t and isinstance(k[0], int))
+                    if v in self.producer:
+                        hot.add(self.producer[v])
+        return sorted(hot)
+
+    def _neighbours(self, idx: int) -> list[int]:
+        out = [m for o in self.g.nodes[idx].outputs for m in self.consumers.get(o, ())]
+        for v in self.uses[idx]:
+            if v in self.producer:
+                out.append(self.producer[v])
+            out += self.consumers.get(v, ())
+        return [m for m in dict.fromkeys(out) if m != idx]
+
+    def _try_cascade(self, idx: int, ci: int, budget: int) -> bool:
+        saved = {idx: self.choice[idx]}
+        self._set(idx, ci)
+        queue = self._neighbours(idx)
+        while queue and len(saved) < budget:
+            m = queue.pop(0)
+            opts = self.options(m) if m not in saved else []
+            if len(opts) < 2:
+                continue
+            best = min(opts,
+                       key=lambda cj: (round(self.local_cost(m, self.cands[m][cj]), 15), cj != self.choice[m], cj))
+            if best != self.choice[m]:
+                saved[m] = self.choice[m]
+                self._set(m, best)
+                queue += self._neighbours(m)
+        nodes = list(saved)
+        values = {u for i in nodes for u in self.uses[i]} | {o for i in nodes for o in self.g.nodes[i].outputs}
+        after = self._cost_of(nodes, values)
+        new = {i: self.choice[i] for i in nodes}
+        for i, c in saved.items():
+            self._set(i, c)
+        if after < self._cost_of(nodes, values) * (1 - 1e-9):
+            for i, c in new.items():
+                self._set(i, c)
+            return True
+        return False
+
     def _try_joint(self, v: str, t: NdSbp, idxs: list[int]) -> bool:
         touched = {u for i in idxs for u in self.uses[i]} | {o for i in idxs for o in self.g.nodes[i].outputs}
         before = self._cost_of(idxs, touched)
         saved = [self.choice[i] for i in idxs]
         for i in idxs:
-            ok = [ci for ci, c in enumerate(self.cands[i])
-                  if all(c.ins[p] == t for p, u in enumerate(self.uses[i]) if u == v)]
+            ok = [ci for ci in self.options(i)
+                  if all(self.cands[i][ci].ins[p] == t for p, u in enumerate(self.uses[i]) if u == v)]
             if not ok:
                 for j, ci in zip(idxs, saved):
                     self._set(j, ci)
@@ -260,6 +331,17 @@ class _Solver:
     def _cost_of(self, idxs: list[int], values: set[str]) -> float:
         cost = sum(self.compute(i, self.cands[i][self.choice[i]]) for i in idxs)
         return cost + sum(self.value_cost(v, self.sbp[v], self.req.get(v, {}).values()) for v in values)
+
+    def options(self, idx: int) -> list[int]:
+        """The candidates refinement may move op ``idx`` to: all of them, or, while it works
+        on one mesh axis (``focus``), those that agree with the current choice on the others.
+        Axis by axis keeps each move small: a few signatures per op instead of their product."""
+        if self.focus is None:
+            return list(range(len(self.cands[idx])))
+        cur, a = self.cands[idx][self.choice[idx]], self.focus
+        key = lambda c: tuple(nd[:a] + nd[a + 1:] for nd in c.ins + c.outs)
+        k = key(cur)
+        return [ci for ci, c in enumerate(self.cands[idx]) if key(c) == k]
 
     def _set(self, idx: int, ci: int) -> None:
         self.choice[idx] = ci
