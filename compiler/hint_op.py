@@ -1,8 +1,8 @@
 """``sbpc.hint``: the graph op an activation hint becomes.
 
 An identity op registered with torch.library, so make_fx records it with its spec string
-(``"tp=S(1)"``) and the source line of the ``sbpc.shard`` call. Its gradient is the identity
-and carries no hint. Propagation pins the SBP of its result; the boxing pass then removes it.
+(``"tp=S(1)"``) and the source line of the ``sbpc.shard`` call. Its gradient is the identity,
+pinned by the same hint. Propagation pins the SBP of its result; the boxing pass then removes it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,17 @@ def _(x, spec, where):
     return torch.empty_like(x)
 
 
-_hint.register_autograd(lambda ctx, grad: (grad, None, None))
+def _setup(ctx, inputs, output):
+    ctx.spec, ctx.where = inputs[1], inputs[2]
+
+
+def _backward(ctx, grad):
+    # the gradient of a pinned value is pinned the same way: a sequence-parallel residual
+    # stream has a sequence-parallel gradient, as in Megatron-LM
+    return _hint(grad, ctx.spec, ctx.where), None, None
+
+
+_hint.register_autograd(_backward, setup_context=_setup)
 
 
 def hint_op(x: torch.Tensor, spec: str, where: str) -> torch.Tensor:

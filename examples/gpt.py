@@ -83,10 +83,12 @@ class Block(nn.Module):
         self.mlp = MLP(hidden, bias)
 
     def forward(self, x):
-        if self.sp:
-            x = shard(x, tp="S(1)")  # sequence parallel: the residual stream is split along the sequence
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
+        x = self.residual(x)
+        x = self.residual(x + self.attn(self.ln_1(x)))
+        return self.residual(x + self.mlp(self.ln_2(x)))
+
+    def residual(self, x):
+        # sequence parallel: the residual stream (and the layer norms on it) split along the sequence
         return shard(x, tp="S(1)") if self.sp else x
 
 

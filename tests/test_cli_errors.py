@@ -63,8 +63,17 @@ def test_bad_mesh(mesh, pattern):
     assert_one_line_error(sbpc("compile", "examples/mlp.py", "--mesh", mesh), pattern)
 
 
-def test_multi_device_mesh_is_refused_until_sbp_lands():
-    assert_one_line_error(sbpc("compile", "examples/mlp.py", "--mesh", "2x2"), r"not implemented yet")
+def test_sbp_that_does_not_divide_a_shape(tmp_path):
+    proc = sbpc("compile", "examples/gpt.py", "--mesh", "1x2", "--config", "examples/gpt.megatron.toml",
+                "--set", "vocab=255", "-o", str(tmp_path / "p.json"))
+    assert_one_line_error(proc, r"SBP tp=S\(0\) of param 'wte\.weight' does not divide its shape \[255, 64\] "
+                                r"over tp=2 \(at examples/gpt\.megatron\.toml:\d+\); hint: pick a split dim")
+
+
+def test_batch_that_does_not_divide_over_dp(tmp_path):
+    proc = sbpc("compile", "examples/mlp.py", "--mesh", "4x1", "--batch-size", "6", "-o", str(tmp_path / "p.json"))
+    assert_one_line_error(proc, r"batch\.0 has shape \[6, .*\]: its batch dim does not divide over dp=4; "
+                                r"hint: use a --batch-size that is a multiple of 4")
 
 
 def test_corrupt_plan_json(tmp_path):

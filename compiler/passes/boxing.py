@@ -80,6 +80,8 @@ class _Inserter:
                 sbp=[step.after], sbp_in=[cur],
                 why=f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}"))
             self.sbp[name] = step.after
+            self.types[name] = self.types[value]
+            self.made_at[name] = self.made_at.get(value)
             cur_name, cur = name, step.after
         self.boxed[key] = cur_name
         return cur_name

@@ -154,10 +154,11 @@ class _Solver:
             want = {self.axes.index(a): s for a, s in parse_spec_string(n.args[1], n.args[2]) if a in self.axes}
             ok = [c for c in self.cands[idx] if all(self.sizes[a] == 1 or _same_kind(c.outs[0][a], s) for a, s in want.items())]
             if not ok:
-                spec = n.args[1]
-                raise CompileError(f"hint {spec} on a {n.types[0]} value does not divide over mesh "
-                                   f"{', '.join(f'{a}={k}' for a, k in zip(self.axes, self.sizes))}",
-                                   location=n.args[2], hint="split a dim whose size is a multiple of the axis size")
+                src = next((i for i in self.g.inputs if i.value == n.args[0].name), None)
+                what = f"{src.kind.value} {src.name!r}" if src else f"a {n.types[0].dtype} value"
+                axes = ", ".join(f"{self.axes[a]}={self.sizes[a]}" for a in want if self.sizes[a] > 1)
+                raise CompileError(f"SBP {n.args[1]} of {what} does not divide its shape {list(n.types[0].shape)} over {axes}",
+                                   location=n.args[2], hint="pick a split dim whose size is a multiple of the axis size, or B")
             self.cands[idx] = ok
 
     # ----- costs
