@@ -60,3 +60,19 @@ def test_nested_splits_of_one_dim_gather_inside_out():
 def test_no_boxing_into_partial_max():
     with pytest.raises(CompileError, match=r"no boxing converts B into P\(max\)"):
         plan_boxing((Broadcast(),), (Partial("max"),), TensorType((4,), "f32"), (2,))
+
+
+def test_verifier_catches_a_missing_conversion():
+    from sbpc.compiler.ir.parser import parse_graph
+    from sbpc.compiler.ir.verify import verify_boxed
+    from sbpc.errors import IRError
+
+    graph = parse_graph("""graph @g mesh<dp=1, tp=2> {
+      input param %w : f32[8, 4] "w" {sbp=[B, S(0)]}
+      input batch %x : f32[2, 8] "batch.0" {sbp=[B, S(1)]}
+      %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, sbp=[[B, P]], sbp_in=[[B, S(1)], [B, S(0)]]}
+      %l = aten.sum.default(%y) : f32[] {role=fwd, sbp=[[B, B]], sbp_in=[[B, B]]}
+      output loss %l "loss"
+    }""")
+    with pytest.raises(IRError, match=r"aten\.sum\.default needs %y as \[B, B\] but it is \[B, P\]: boxing is missing"):
+        verify_boxed(graph)

@@ -77,3 +77,36 @@ def test_opt_reports_parse_errors_on_one_line(tmp_path):
     assert proc.returncode == 2
     assert re.fullmatch(r"sbpc: error: .*bad\.sbpir:2:27: unexpected ':', expected '\)' or ',' "
                         r"\(at line 2: %a = aten\.mm\.default\(%b : f32\[2\]\); hint: .*\n", proc.stderr)
+
+
+def test_multi_device_compile_inspect_explain(tmp_path):
+    plan = tmp_path / "tp.json"
+    out = sbpc("compile", "examples/gpt.py", "--mesh", "1x2", "--config", "examples/gpt.megatron.toml",
+               "--set", "hidden=1024", "--set", "heads=8", "--set", "vocab=8192", "--set", "seq=128", "-o", str(plan))
+    assert out.returncode == 0, out.stderr
+    coll = sbpc("inspect", str(plan), "--collectives").stdout
+    filecheck(coll, """
+        CHECK: phase  collective       axis
+        CHECK: fwd    all_reduce       tp {{.*}} h.0.attn.c_proj @ examples/gpt.py:
+        CHECK: fwd    all_reduce       tp {{.*}} h.0.mlp.c_proj @ examples/gpt.py:
+        CHECK: bwd    all_reduce       tp {{.*}} h.0.attn.c_attn @ examples/gpt.py:
+        CHECK: // {{[0-9]+}} collectives per step
+    """)
+    ir = sbpc("inspect", str(plan)).stdout
+    assert re.search(r'= sbpc\.all_reduce\(%addmm_1, axis="tp", reduce="sum"\) : f32\[512, 1024\] \{role=fwd, stage=0, '
+                     r'sbp=\[\[B, B\]\], sbp_in=\[\[B, P\]\], loc="h\.0\.attn\.c_proj"', ir), ir[:3000]
+    why = sbpc("explain", str(plan), "h.0.attn.c_attn.weight").stdout
+    filecheck(why, """
+        CHECK: h.0.attn.c_attn.weight (%h_0_attn_c_attn_weight) : float32[3072, 1024] sbp=[B, S(0:3)]
+        CHECK-NEXT: because: hint tp=S(0) at examples/gpt.megatron.toml:
+    """)
+    why = sbpc("explain", str(plan), "%addmm_1").stdout
+    filecheck(why, """
+        CHECK: %addmm_1 : f32[512, 1024] sbp=[B, P]
+        CHECK-NEXT: made by aten.addmm.default at h.0.attn.c_proj @ examples/gpt.py:
+        CHECK-NEXT: because: aten.addmm.default by rule [tp: {{.*}}]
+        CHECK: boxed by sbpc.all_reduce(axis=tp)
+    """)
+    bad = sbpc("explain", str(plan), "nope")
+    assert bad.returncode == 2 and re.search(r"no value or parameter named 'nope' in the plan; hint: name a parameter",
+                                             bad.stderr), bad.stderr

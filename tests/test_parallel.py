@@ -127,3 +127,9 @@ def test_sequence_parallel_counts():
         # partial and gathered where the pinned residual gradient meets the tensor-parallel matmul
         # (one all-gather more than Megatron's reduce-scatter + all-gather; see docs/parallel.md)
         assert big[("all_reduce", "bwd")] + big[("reduce_scatter", "bwd")] == 2, big
+
+
+def test_propagation_is_deterministic():
+    a = _plan("examples/gpt.py", "2x2", "examples/gpt.megatron.toml")
+    b = _plan("examples/gpt.py", "2x2", "examples/gpt.megatron.toml")
+    assert a.model_dump_json() == b.model_dump_json()
