@@ -44,11 +44,28 @@ class SbpPropagate:
             rules = RuleBook.load()
             rules.strided_parts = ()  # block counts come from the whole-graph analysis (sbp_layout)
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
-        layouts = Layouts(graph, rules, sizes)
-        solver = _Solver(graph, layouts, sizes, self.cost_model)
+        busy = [a for a, k in enumerate(sizes) if k > 1]
+        if len(busy) == 1:
+            return self._solve(graph, rules, sizes).result()
+        # Several axes: solve each alone (the others one device), then start the joint search
+        # from their combination. Axes interact only through tensor sizes and nested splits, so
+        # the combination is nearly optimal, and one-axis problems are small.
+        alone = [self._solve(graph, rules, tuple(k if b == a else 1 for b, k in enumerate(sizes))) for a in busy]
+        solver = _Solver(graph, Layouts(graph, rules, sizes), sizes, self.cost_model)
+        solver.fix_inputs()
+        if not solver.combine(busy, alone):
+            solver.greedy()
+        self._refine(solver, busy)
+        return solver.result()
+
+    def _solve(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...]) -> "_Solver":
+        solver = _Solver(graph, Layouts(graph, rules, sizes), sizes, self.cost_model)
         solver.fix_inputs()
         solver.greedy()
-        busy = [a for a, k in enumerate(sizes) if k > 1]
+        self._refine(solver, [a for a, k in enumerate(sizes) if k > 1])
+        return solver
+
+    def _refine(self, solver: "_Solver", busy: list[int]) -> None:
         for _ in range(self.rounds):
             changed = False
             for a in busy:
@@ -57,7 +74,6 @@ class SbpPropagate:
             if not changed:
                 break
         solver.focus = None
-        return solver.result()
 
 
 def _all_broadcast(graph: Graph, axes) -> Graph:
@@ -183,6 +199,22 @@ class _Solver:
         return sum(self.box(src, t, self.types[v]) for t in set(reqs) if t != src)
 
     # ----- search
+    def combine(self, busy: list[int], alone: list["_Solver"]) -> bool:
+        """Take, for every op, the nd-signature made of what each one-axis solution chose on
+        its axis. False when some op has no such candidate (a combination that does not divide)."""
+        picks = []
+        for idx in range(len(self.g.nodes)):
+            want = [(a, s.cands[idx][s.choice[idx]]) for a, s in zip(busy, alone)]
+            match = next((ci for ci, c in enumerate(self.cands[idx])
+                          if all(tuple(nd[a] for nd in c.ins + c.outs) == tuple(nd[a] for nd in w.ins + w.outs)
+                                 for a, w in want)), None)
+            if match is None:
+                return False
+            picks.append(match)
+        for idx, ci in enumerate(picks):
+            self._set(idx, ci)
+        return True
+
     def greedy(self) -> None:
         for idx in range(len(self.g.nodes)):
             best, best_key = 0, None
