@@ -14,7 +14,7 @@ one never reach here: propagation keeps every value ``B`` on them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sbpc.compiler.ir.types import TensorType
 from sbpc.errors import CompileError

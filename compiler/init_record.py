@@ -8,7 +8,7 @@ of ``torch.manual_seed(s); build_model()``, because the random ops run in the sa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import inspect
 import os
-import sys
 import traceback
 from dataclasses import dataclass, field
 from types import ModuleType

@@ -5,7 +5,6 @@ raising the plan of a compile gives the graph that compile lowered.
 """
 from __future__ import annotations
 
-import math
 
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Graph, GraphInput, GraphOutput, InputKind, Node, \
     OutputKind, Ref, Role, SourceLoc, Sym, TensorType

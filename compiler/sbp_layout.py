@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from sbpc.compiler.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import Graph, Node, TensorType
 from sbpc.compiler.sbp_rules import RuleBook, Signature
-from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split, divides
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides
 
 MAX_CANDIDATES = 64
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split
+from sbpc.runtime.sbp import NdSbp, Partial, Sbp, Split
 
 
 def take_chunk(t: torch.Tensor, s: Split, index: int, size: int) -> torch.Tensor:

@@ -141,6 +141,21 @@ def map_refs(a: Any, fn: Callable[[str], str]) -> Any:
     return a
 
 
+class FreshNames:
+    """New value names that collide with none in ``taken`` (which it extends): ``x``, ``x_1``, ..."""
+
+    def __init__(self, taken: set[str]):
+        self.taken = taken
+
+    def __call__(self, base: str) -> str:
+        i, name = 0, base
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
 def rename_uses(n: Node, fn: Callable[[str], str]) -> Node:
     return replace(n, args=map_refs(n.args, fn), kwargs=map_refs(n.kwargs, fn))
 

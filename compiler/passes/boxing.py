@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from sbpc.compiler.boxing_plan import plan_boxing
 from sbpc.compiler.hint_op import OP as HINT_OP
-from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Ref, Role
+from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 
@@ -40,7 +40,7 @@ class _Inserter:
         self.types = graph.value_types()
         self.boxed: dict[tuple[str, NdSbp], str] = {}
         self.rename: dict[str, str] = {}
-        self.taken = set(self.types)
+        self.fresh = FreshNames(set(self.types))
         self.made_at = {o: n.loc for n in graph.nodes for o in n.outputs}
         self.out: list[Node] = []
 
@@ -73,7 +73,7 @@ class _Inserter:
             return self.boxed[key]
         cur_name, cur = value, have
         for step in plan_boxing(have, need, self.types[value], self.sizes):
-            name = self._fresh(f"{value}_{step.kind}")
+            name = self.fresh(f"{value}_{step.kind}")
             self.out.append(Node(
                 [name], step.op, (Ref(cur_name),), {"axis": self.axes[step.axis], **dict(step.kwargs)},
                 [self.types[value]], consumer.role, loc=self.made_at.get(value) or consumer.loc, stage=consumer.stage,
@@ -101,13 +101,6 @@ class _Inserter:
     def _last_stage(self):
         return self.out[-1].stage if self.out else None
 
-    def _fresh(self, base: str) -> str:
-        i, name = 0, base
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
 
 
 def _rename_positions(n: Node, new: list[str]) -> Node:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.ir.types import Graph, Node, Ref, TensorType
+from sbpc.compiler.ir.types import FreshNames, Graph, Node, Ref, TensorType
 
 _MEAN, _SUM = 1, 2
 
@@ -28,25 +28,12 @@ class Decompose:
     def apply(self, graph: Graph, ctx) -> Graph:
         if not self.always and all(graph.mesh.size(a) == 1 for a in graph.mesh.sbp_axes):
             return graph
-        taken = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
+        fresh = FreshNames({i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs})
         nodes: list[Node] = []
         for n in graph.nodes:
             rewrite = _REWRITES.get(n.op)
-            nodes.extend(rewrite(n, _Names(taken)) if rewrite else [n])
+            nodes.extend(rewrite(n, fresh) if rewrite else [n])
         return replace(graph, nodes=nodes)
-
-
-class _Names:
-    def __init__(self, taken: set[str]):
-        self.taken = taken
-
-    def __call__(self, base: str) -> str:
-        i, name = 0, base
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
 
 
 def _like(n: Node, outputs, op, args, types, kwargs=None) -> Node:
