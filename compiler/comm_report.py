@@ -22,6 +22,7 @@ class Collective:
     loc: str
     value: str
     nbytes: int  # bytes each device holds of the input
+    call: int = 0  # tensors fused into one call (a gradient bucket) share it
 
     @property
     def moves_data(self) -> bool:
@@ -31,18 +32,22 @@ class Collective:
 def collectives(plan: P.Plan) -> list[Collective]:
     sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
     out = []
-    for st in plan.stages:
-        for ins in st.instructions:
-            kind = ins.op.removeprefix("sbpc.")
-            if not ins.op.startswith("sbpc.") or kind not in KINDS + LOCAL:
-                continue
-            t = ins.types[0]
-            src = parse_nd_sbp(ins.sbp_in[0]) if ins.sbp_in else parse_nd_sbp(t.sbp)
+    for call, ins in enumerate(i for st in plan.stages for i in st.instructions):
+        kind = ins.op.removeprefix("sbpc.")
+        if kind == "all_reduce_coalesced":
+            kind, values = "all_reduce", [a.ref for a in ins.args[0]]
+        elif ins.op.startswith("sbpc.") and kind in KINDS + LOCAL:
+            values = [ins.args[0].ref]
+        else:
+            continue
+        for j, value in enumerate(values):
+            t = ins.types[j]
+            src = parse_nd_sbp(ins.sbp_in[j]) if ins.sbp_in else parse_nd_sbp(t.sbp)
             n = 1
             for d in local_shape(t.shape, src, sizes):
                 n *= d
             out.append(Collective(kind, str(ins.kwargs.get("axis")), ins.role, ins.loc.module if ins.loc else "",
-                                  str(ins.loc) if ins.loc else "", ins.args[0].ref, n * _BYTES.get(t.dtype, 1)))
+                                  str(ins.loc) if ins.loc else "", value, n * _BYTES.get(t.dtype, 1), call))
     return out
 
 
@@ -50,7 +55,9 @@ def summary(plan: P.Plan) -> str:
     cs = [c for c in collectives(plan) if c.moves_data]
     if not cs:
         return "// no collectives: every op runs on its own shard"
-    lines = [f"// {len(cs)} collectives per step, {sum(c.nbytes for c in cs) / 2**20:.2f} MiB in:"]
+    calls = len({c.call for c in cs})
+    fused = f" ({len(cs)} tensors)" if calls != len(cs) else ""
+    lines = [f"// {calls} collective calls per step{fused}, {sum(c.nbytes for c in cs) / 2**20:.2f} MiB in:"]
     counts = Counter((c.kind, c.axis, c.role) for c in cs)
     for (kind, axis, role), n in sorted(counts.items()):
         lines.append(f"//   {n:4d} x {kind:<15} on {axis:<3} {role}")
@@ -59,9 +66,13 @@ def summary(plan: P.Plan) -> str:
 
 def table(plan: P.Plan) -> str:
     rows = [f"{'phase':<5}  {'collective':<15}  {'axis':<4}  {'bytes':>10}  {'value':<24}  module @ file:line"]
-    for c in collectives(plan):
-        if c.moves_data:
-            rows.append(f"{c.role:<5}  {c.kind:<15}  {c.axis:<4}  {c.nbytes:>10}  %{c.value:<23}  {c.loc}")
+    cs = [c for c in collectives(plan) if c.moves_data]
+    sizes = Counter(c.call for c in cs)
+    for c in cs:
+        kind = c.kind if sizes[c.call] == 1 else f"{c.kind}*"
+        rows.append(f"{c.role:<5}  {kind:<15}  {c.axis:<4}  {c.nbytes:>10}  %{c.value:<23}  {c.loc}")
+    if any(n > 1 for n in sizes.values()):
+        rows.append("(* fused with its neighbours into one call: a gradient bucket)")
     return "\n".join(rows)
 
 

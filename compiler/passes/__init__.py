@@ -1,5 +1,6 @@
 """The passes, one per file, and the registry that names them."""
 from sbpc.compiler.passes.boxing import Boxing
+from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
 from sbpc.compiler.passes.decompose import Decompose
@@ -10,10 +11,10 @@ from sbpc.compiler.passes.sbp_propagate import SbpPropagate
 from sbpc.compiler.passes.stage_partition import StagePartition
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Localize, MemoryPlan)}
+                                SbpPropagate, Boxing, Coalesce, Localize, MemoryPlan)}
 
 
 def default_pipeline():
     """The passes `sbpc compile` runs, in order."""
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), StagePartition(),
-            SbpPropagate(), Boxing(), Localize(), MemoryPlan()]
+            SbpPropagate(), Boxing(), Coalesce(), Localize(), MemoryPlan()]

@@ -20,7 +20,7 @@ from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 
 COLLECTIVES = frozenset(f"sbpc.{k}" for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                                               "shard_slice", "keep_first"))
+                                               "shard_slice", "keep_first", "all_reduce_coalesced"))
 
 
 @dataclass

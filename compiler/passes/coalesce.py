@@ -1,0 +1,79 @@
+"""coalesce: fuse gradient all-reduces into buckets, one call each.
+
+Boxing reduces each partial gradient on its own where it is first needed: one blocking call
+per parameter. Here all-reduces of the backward and optimizer (same axis, reduction, dtype and
+stage) are cut, in program order, into buckets of at most ``bucket_bytes`` (25 MB, DDP's
+default); a bucket becomes one ``sbpc.all_reduce_coalesced`` placed where its last member
+was, and the ops that already used an earlier member's result (a transpose of a weight
+gradient, ...) move after it with everything that depends on them. Every tensor is still
+reduced exactly once; gradients live until their bucket is reduced, as in DDP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import Graph, Node, Role
+
+OP = "sbpc.all_reduce_coalesced"
+
+
+@dataclass
+class Coalesce:
+    name: str = "coalesce"
+    bucket_bytes: int = 25 * 2**20
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        nodes = list(graph.nodes)
+        groups: dict[tuple, list[int]] = {}
+        for i, n in enumerate(nodes):
+            if n.op == "sbpc.all_reduce" and n.role in (Role.BACKWARD, Role.OPTIMIZER):
+                key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage)
+                groups.setdefault(key, []).append(i)
+        buckets = [b for idxs in groups.values() for b in self._buckets(nodes, idxs) if len(b) > 1]
+        for bucket in sorted(buckets, key=lambda b: -b[-1]):  # from the end: earlier indices stay valid
+            nodes = _fuse_bucket(nodes, bucket)
+        return replace(graph, nodes=nodes)
+
+    def _buckets(self, nodes: list[Node], idxs: list[int]) -> list[list[int]]:
+        buckets: list[list[int]] = []
+        size = 0
+        for i in idxs:
+            nbytes = nodes[i].types[0].nbytes
+            if buckets and size + nbytes <= self.bucket_bytes:
+                buckets[-1].append(i)
+                size += nbytes
+            else:
+                buckets.append([i])
+                size = nbytes
+        return buckets
+
+
+def _fuse_bucket(nodes: list[Node], bucket: list[int]) -> list[Node]:
+    """Nodes with ``bucket`` fused at its last member; dependants in between moved after it.
+    Left unchanged when one member depends on another (they cannot share a call)."""
+    first, last = bucket[0], bucket[-1]
+    members = set(bucket)
+    tainted = {o for i in bucket[:-1] for o in nodes[i].outputs}
+    moved = []
+    for i in range(first + 1, last):
+        if i in members:
+            if any(u in tainted for u in nodes[i].uses()):
+                return nodes
+            continue
+        if any(u in tainted for u in nodes[i].uses()):
+            moved.append(i)
+            tainted.update(nodes[i].outputs)
+    if any(u in tainted for u in nodes[last].uses()):
+        return nodes
+    fused = _fuse([nodes[i] for i in bucket])
+    skip = members | set(moved)
+    middle = [n for i, n in enumerate(nodes[first:last], start=first) if i not in skip]
+    return nodes[:first] + middle + [fused] + [nodes[i] for i in moved] + nodes[last + 1:]
+
+
+def _fuse(ns: list[Node]) -> Node:
+    last = ns[-1]
+    return replace(last, outputs=[n.outputs[0] for n in ns], op=OP, args=([n.args[0] for n in ns],),
+                   types=[n.types[0] for n in ns], sbp=[n.sbp[0] for n in ns] if last.sbp else None,
+                   sbp_in=[n.sbp_in[0] for n in ns] if last.sbp_in else None,
+                   why=f"{len(ns)} all-reduces of the backward fused into one call")
