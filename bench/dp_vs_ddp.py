@@ -134,6 +134,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=TIMEOUT, help="rendezvous/collective timeout in seconds")
 
 
+def check_args_and_announce(p: argparse.ArgumentParser, args) -> None:
+    """Refuse nonsensical counts, then print what the run is (the load matters on a shared box)."""
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        p.error("--steps, --warmup and --rounds must be at least 1")
+    import torch
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start; "
+          f"2 ranks x 1 thread, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds", flush=True)
+
+
+def compare_sides(name: str, batch: int, res: dict, peer: str) -> list[tuple]:
+    """Print both sides' first and last losses (they train the same model), and the table rows."""
+    print(f"  step-0 loss: plan {res['plan']['losses'][0]:.6f}, {peer} {res[peer]['losses'][0]:.6f}; "
+          f"last: plan {res['plan']['losses'][-1]:.6f}, {peer} {res[peer]['losses'][-1]:.6f}", flush=True)
+    return [(name, batch, side, res[side]["median"], res[side]["best"],
+             res[peer]["median"] / res["plan"]["median"], res[peer]["best"] / res["plan"]["best"])
+            for side in ("plan", peer)]
+
+
 def configs_of(args) -> list[tuple[str, list[str], int]]:
     if args.sets:
         return [("custom", args.sets, args.batch_size or 8)]
@@ -185,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="DDP's bucket_cap_mb (default 25, torch's default: the models here fit one or two buckets; "
                         "a tiny value such as 0.0001 gives one all-reduce per gradient, as the plan does)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
-        p.error("--steps, --warmup and --rounds must be at least 1")
-    import torch
-
-    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start; "
-          f"2 ranks x 1 thread, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds", flush=True)
+    check_args_and_announce(p, args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sbpc-bench-") as tmp:
         for name, sets, batch in configs_of(args):
@@ -202,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                        "bucket_mb": args.ddp_bucket_mb}
             res = bench_sides({"plan": ("dp_vs_ddp:plan_worker", payload), "ddp": ("dp_vs_ddp:ddp_worker", payload)},
                               args.rounds, args.steps)
-            print(f"  step-0 loss: plan {res['plan']['losses'][0]:.6f}, ddp {res['ddp']['losses'][0]:.6f}; "
-                  f"last: plan {res['plan']['losses'][-1]:.6f}, ddp {res['ddp']['losses'][-1]:.6f}", flush=True)
-            for side in ("plan", "ddp"):
-                rows.append((name, batch, side, res[side]["median"], res[side]["best"],
-                             res["ddp"]["median"] / res["plan"]["median"], res["ddp"]["best"] / res["plan"]["best"]))
+            rows += compare_sides(name, batch, res, "ddp")
     print_table(rows, "ddp")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     return 0

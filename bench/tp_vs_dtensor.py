@@ -143,7 +143,8 @@ def describe_plan(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dp_vs_ddp import add_common_args, bench_sides, compile_plan, configs_of, print_table
+    from dp_vs_ddp import (add_common_args, bench_sides, check_args_and_announce, compare_sides, compile_plan, configs_of,
+                           print_table)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
@@ -151,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the plan's parallel config (default {TP_LAYERS}; examples/gpt.megatron.toml also "
                         "shards the vocabulary, which the DTensor side does not)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
-        p.error("--steps, --warmup and --rounds must be at least 1")
-    import torch
-
-    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start; "
-          f"2 ranks x 1 thread, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds", flush=True)
+    check_args_and_announce(p, args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sbpc-bench-") as tmp:
         for name, sets, batch in configs_of(args):
@@ -166,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             payload = {"plan": plan, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout}
             res = bench_sides({"plan": ("dp_vs_ddp:plan_worker", payload),
                                "dtensor": ("tp_vs_dtensor:dtensor_worker", payload)}, args.rounds, args.steps)
-            print(f"  step-0 loss: plan {res['plan']['losses'][0]:.6f}, dtensor {res['dtensor']['losses'][0]:.6f}; "
-                  f"last: plan {res['plan']['losses'][-1]:.6f}, dtensor {res['dtensor']['losses'][-1]:.6f}", flush=True)
-            for side in ("plan", "dtensor"):
-                rows.append((name, batch, side, res[side]["median"], res[side]["best"],
-                             res["dtensor"]["median"] / res["plan"]["median"], res["dtensor"]["best"] / res["plan"]["best"]))
+            rows += compare_sides(name, batch, res, "dtensor")
     print_table(rows, "dtensor")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     return 0

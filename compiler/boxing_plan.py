@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sbpc.compiler.ir.types import TensorType
 from sbpc.errors import CompileError
-from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split, local_shape
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split
 
 
 @dataclass(frozen=True)
@@ -67,17 +67,10 @@ def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], m
         return float("inf")
     cost, cur = 0.0, src
     for s in steps:
-        nbytes = _local_bytes(t, cur, sizes)
+        nbytes = t.local_nbytes(cur, sizes)
         cost += model.collective(s.kind, nbytes, sizes[s.axis])
         cur = s.after
     return cost
-
-
-def _local_bytes(t: TensorType, nd: NdSbp, sizes) -> int:
-    n = 1
-    for d in local_shape(t.shape, nd, sizes):
-        n *= d
-    return n * max(1, t.nbytes // max(1, t.numel))
 
 
 def _set(nd: NdSbp, a: int, s: Sbp) -> NdSbp:

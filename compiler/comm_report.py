@@ -6,11 +6,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from sbpc.runtime import plan as P
-from sbpc.runtime.sbp import local_shape, parse_nd_sbp
+from sbpc.compiler.ir.types import TensorType
+from sbpc.runtime.sbp import parse_nd_sbp
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # ops that move data between devices
 LOCAL = ("shard_slice", "keep_first")  # boxing that stays on the device
-_BYTES = {"f64": 8, "i64": 8, "f32": 4, "i32": 4, "f16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,9 @@ def collectives(plan: P.Plan) -> list[Collective]:
         for j, value in enumerate(values):
             t = ins.types[j]
             src = parse_nd_sbp(ins.sbp_in[j]) if ins.sbp_in else parse_nd_sbp(t.sbp)
-            n = 1
-            for d in local_shape(t.shape, src, sizes):
-                n *= d
+            nbytes = TensorType(tuple(t.shape), t.dtype).local_nbytes(src, sizes)
             out.append(Collective(kind, str(ins.kwargs.get("axis")), ins.role, ins.loc.module if ins.loc else "",
-                                  str(ins.loc) if ins.loc else "", value, n * _BYTES.get(t.dtype, 1), call))
+                                  str(ins.loc) if ins.loc else "", value, nbytes, call))
     return out
 
 

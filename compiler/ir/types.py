@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from sbpc.compiler.mesh import Mesh
-from sbpc.runtime.sbp import NdSbp
+from sbpc.runtime.sbp import NdSbp, local_shape
 
 DTYPES = {
     "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
@@ -45,6 +45,15 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
+
+    def local_nbytes(self, nd: NdSbp | None, sizes: tuple[int, ...]) -> int:
+        """Bytes each device holds when laid out as ``nd`` over axes of ``sizes`` (None: whole)."""
+        if nd is None:
+            return self.nbytes
+        n = 1
+        for d in local_shape(self.shape, nd, sizes):
+            n *= d
+        return n * dtype_size(self.dtype)
 
 
 def dtype_size(dtype: str) -> int:

@@ -9,24 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sbpc.compiler.ir.types import Graph, InputKind, OutputKind, dtype_size
-from sbpc.runtime.sbp import local_shape
+from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
 
 
 def _device_bytes(graph: Graph, sizes: tuple[int, ...]) -> dict[str, int]:
     """Bytes each device holds of every value: its shard, once SBP is known."""
-    def local(t, nd):
-        if nd is None:
-            return t.nbytes
-        n = 1
-        for d in local_shape(t.shape, nd, sizes):
-            n *= d
-        return n * dtype_size(t.dtype)
-
-    out = {i.value: local(i.type, i.sbp) for i in graph.inputs}
+    out = {i.value: i.type.local_nbytes(i.sbp, sizes) for i in graph.inputs}
     for n in graph.nodes:
         for o, t, nd in zip(n.outputs, n.types, n.sbp or [None] * len(n.outputs)):
-            out[o] = local(t, nd)
+            out[o] = t.local_nbytes(nd, sizes)
     return out
 
 

@@ -24,7 +24,7 @@ from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, Ten
 from sbpc.compiler.sbp_layout import Layouts, NdSignature
 from sbpc.compiler.sbp_rules import RuleBook
 from sbpc.errors import CompileError
-from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp, local_shape
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp
 
 
 @dataclass
@@ -39,10 +39,8 @@ class SbpPropagate:
         sizes = tuple(graph.mesh.size(a) for a in axes)
         if all(k == 1 for k in sizes):
             return _all_broadcast(graph, axes)
-        rules = self.rules
-        if rules is None:
-            rules = RuleBook.load()
-            rules.strided_parts = ()  # block counts come from the whole-graph analysis (sbp_layout)
+        # block counts of strided splits come from the whole-graph analysis (sbp_layout)
+        rules = self.rules or RuleBook.load(strided_parts=())
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
         busy = [a for a, k in enumerate(sizes) if k > 1]
         if len(busy) == 1:
@@ -187,13 +185,7 @@ class _Solver:
     def compute(self, idx: int, c: NdSignature) -> float:
         n = self.g.nodes[idx]
         ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
-        total = 0
-        for t, nd in zip(ts, c.ins + c.outs):
-            numel = 1
-            for d in local_shape(t.shape, nd, self.sizes):
-                numel *= d
-            total += numel * max(1, t.nbytes // max(1, t.numel))
-        return self.model.compute(total)
+        return self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
 
     def value_cost(self, v: str, src: NdSbp, reqs) -> float:
         return sum(self.box(src, t, self.types[v]) for t in set(reqs) if t != src)

@@ -96,16 +96,17 @@ class RuleBook:
             self.rules[r.op] = r
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "RuleBook":
+    def load(cls, path: str | Path | None = None, strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS) -> "RuleBook":
         if path is None:
             text, source = importlib.resources.files("sbpc.ir_specs").joinpath("aten.sbp").read_text(), "ir_specs/aten.sbp"
         else:
             text, source = Path(path).read_text(), str(path)
-        return cls.from_text(text, source)
+        return cls.from_text(text, source, strided_parts)
 
     @classmethod
-    def from_text(cls, text: str, source: str = "<rules>") -> "RuleBook":
-        return cls(parse_rules(text, source), text)
+    def from_text(cls, text: str, source: str = "<rules>",
+                  strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS) -> "RuleBook":
+        return cls(parse_rules(text, source), text, strided_parts)
 
     def has_rule(self, op: str) -> bool:
         return op in self.rules
