@@ -24,6 +24,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
     p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp, or the config's)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
+                                                      "2 with --schedule interleaved)")
 
 
 def _compile(args: argparse.Namespace):
@@ -42,8 +46,33 @@ def _compile(args: argparse.Namespace):
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
                          dump_dir=args.dump_dir)
     config = load_config(args.config) if args.config else None
-    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config)
+    pipeline = pipeline_options(args, mesh, config)
+    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
+                           pipeline=pipeline)
     return result, source, optimizer
+
+
+def pipeline_options(args, mesh, config):
+    """Flags win over the config's ``[pipeline]`` table, which wins over the defaults."""
+    from sbpc.compiler.passes import PipelineOptions
+
+    table = config.pipeline if config is not None else None
+    pick = lambda flag, key: flag if flag is not None else getattr(table, key, None)
+    schedule = pick(args.schedule, "schedule") or "1f1b"
+    virtual = pick(args.virtual_stages, "virtual_stages") or (2 if schedule == "interleaved" else 1)
+    pp = mesh.size("pp")
+    m = pick(args.microbatches, "microbatches") or pp
+    if m < 1:
+        raise UsageError(f"--microbatches {m} must be at least 1")
+    if virtual < 1:
+        raise UsageError(f"--virtual-stages {virtual} must be at least 1")
+    if virtual > 1 and schedule != "interleaved":
+        raise UsageError(f"--virtual-stages {virtual} needs --schedule interleaved",
+                         hint="virtual stages are chunks of the interleaved 1F1B schedule")
+    if schedule == "interleaved" and m % pp:
+        raise UsageError(f"the interleaved schedule needs micro-batches in groups of pp: {m} is not a multiple of {pp}",
+                         hint=f"use --microbatches {pp * max(1, m // pp)}")
+    return PipelineOptions(schedule=schedule, virtual_stages=virtual, microbatches=m)
 
 
 def cmd_compile(args) -> int:
@@ -94,14 +123,14 @@ def cmd_inspect(args) -> int:
 def cmd_check(args) -> int:
     from sbpc.compiler.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
-    from sbpc.runtime.runner import Runner
+    from sbpc.runtime.runner import make_runner
 
     result, source, optimizer = _compile(args)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
                                 timeout=args.timeout)
     else:
-        runner = Runner(result.plan, make_backend("cpu"), seed=args.seed)
+        runner = make_runner(result.plan, make_backend("cpu"), seed=args.seed)
         report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
                            tolerance=args.tolerance)
     print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")

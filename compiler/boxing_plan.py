@@ -43,11 +43,9 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
                 cur = _set(cur, a, to)
                 steps.append(Step(a, kind, kw, cur))
         return steps
-    shared = _shared_dims(src, dst)
     steps, cur = [], src
     for a in reversed(range(len(src))):  # innermost first: undo nested splits from the inside
-        nested = isinstance(cur[a], Split) and cur[a].dim in shared
-        if (cur[a] != dst[a] or nested) and not isinstance(cur[a], Broadcast):
+        if not _keeps(src, dst, a) and not isinstance(cur[a], Broadcast):
             for kind, kw, to in _one_axis(cur[a], Broadcast()):
                 cur = _set(cur, a, to)
                 steps.append(Step(a, kind, kw, cur))
@@ -59,18 +57,41 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
     return steps
 
 
-def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model) -> float:
-    """Seconds the conversion takes under ``model``; infinite where no boxing exists (into P(max))."""
+# On a sequential axis (micro-batches) only a reduction (accumulation across the step's
+# micro-batches) or a local slice / mask can run: anything that needs several micro-batches
+# at once inside a micro-batch would stall the pipeline.
+SEQUENTIAL_STEPS = frozenset({"all_reduce", "shard_slice", "keep_first"})
+
+
+def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
+                sequential: frozenset[int] = frozenset()) -> float:
+    """Seconds the conversion takes under ``model``; infinite where no boxing exists (into
+    P(max)) or where it would exchange data between micro-batches (``sequential`` axes)."""
     try:
         steps = plan_boxing(src, dst, t, sizes)
     except CompileError:
         return float("inf")
     cost, cur = 0.0, src
     for s in steps:
+        if s.axis in sequential and s.kind not in SEQUENTIAL_STEPS:
+            return float("inf")
         nbytes = t.local_nbytes(cur, sizes)
         cost += model.collective(s.kind, nbytes, sizes[s.axis])
         cur = s.after
     return cost
+
+
+def _keeps(src: NdSbp, dst: NdSbp, a: int) -> bool:
+    """Whether axis ``a`` can stay as it is while the others convert: it already has the
+    target SBP, and no outer axis that splits the same dim (in source or target) changes,
+    because a nested split is a split of the outer axis's chunk."""
+    if src[a] != dst[a]:
+        return False
+    if not isinstance(src[a], Split):
+        return True
+    d = src[a].dim
+    return all(src[c] == dst[c] for c in range(a)
+               if any(isinstance(x, Split) and x.dim == d for x in (src[c], dst[c])))
 
 
 def _set(nd: NdSbp, a: int, s: Sbp) -> NdSbp:

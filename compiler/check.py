@@ -19,7 +19,7 @@ import torch
 from sbpc.compiler.model_loader import ModelSource
 from sbpc.compiler.optim import OptimizerConfig
 from sbpc.runtime.plan import Plan
-from sbpc.runtime.runner import BatchSource, Runner, step_seed
+from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
 
 @dataclass
@@ -135,7 +135,7 @@ def check_worker(payload: dict) -> CheckReport | None:
 
     plan = load_plan(payload["plan"])
     comm = init_distributed(plan, timeout=payload["timeout"])
-    runner = Runner(plan, make_backend("cpu", comm, comm.topology), seed=payload["seed"])
+    runner = make_runner(plan, make_backend("cpu", comm, comm.topology), seed=payload["seed"])
     source = load_model(plan.model.path, dict(plan.model.sets)) if comm.topology.rank == 0 else None
     return run_check(plan, source, runner, payload["optimizer"], steps=payload["steps"], seed=payload["seed"],
                      tolerance=payload["tolerance"])

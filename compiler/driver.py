@@ -12,7 +12,7 @@ from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.model_loader import ModelSource
 from sbpc.compiler.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import CompileContext, PassManager
-from sbpc.compiler.passes import default_pipeline
+from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.runtime.plan import ModelRef, Plan
 
 
@@ -24,13 +24,15 @@ class CompileResult:
 
 
 def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer: OptimizerConfig,
-                  ctx: CompileContext | None = None, passes=None, config: ParallelConfig | None = None) -> CompileResult:
+                  ctx: CompileContext | None = None, passes=None, config: ParallelConfig | None = None,
+                  pipeline: PipelineOptions = PipelineOptions()) -> CompileResult:
     ctx = ctx or CompileContext()
+    mesh = mesh.with_microbatches(pipeline.microbatches)
     timings = {}
     t0 = time.perf_counter()
     graph = capture(source, mesh, batch_size, optimizer, config)
     timings["capture"] = time.perf_counter() - t0
-    graph = PassManager(passes if passes is not None else default_pipeline(), ctx).run(graph)
+    graph = PassManager(passes if passes is not None else default_pipeline(pipeline), ctx).run(graph)
     timings["passes"] = time.perf_counter() - t0 - timings["capture"]
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
     plan = lower(graph, model, optimizer, ctx.estimates)

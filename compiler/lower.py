@@ -9,46 +9,59 @@ import math
 
 from sbpc import __version__
 from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
+from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.optim import OptimizerConfig
 from sbpc.compiler.passes.memory_plan import last_uses
 from sbpc.runtime import plan as P
+from sbpc.runtime.sbp import local_shape
 
 
 def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates: dict[str, int]) -> P.Plan:
     dies = last_uses(graph)
+    # the micro-batch axis is the compiler's: plan SBPs name device axes only, and a batch
+    # input says separately how micro-batches split it
+    axes = graph.mesh.sbp_axes
+    mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
+    dev = lambda nd: [repr(s) for a, s in enumerate(nd) if a != mb]
+    # the runtime only sees one micro-batch at a time: plan shapes are a micro-batch's
+    per_mb = lambda t, nd: list(local_shape(t.shape, (nd[mb],), (graph.mesh.microbatches,))) \
+        if mb is not None and nd else list(t.shape)
     stages = sorted({n.stage for n in graph.nodes})
     programs = [P.StageProgram(stage=s, loss=graph.outputs_of(OutputKind.LOSS)[0].value,
-                               instructions=[_instr(n, dies.get(i, [])) for i, n in enumerate(graph.nodes) if n.stage == s])
+                               instructions=[_instr(n, dies.get(i, []), dev, per_mb) for i, n in enumerate(graph.nodes)
+                                             if n.stage == s])
                 for s in stages]
     grad = {o.name: o.value for o in graph.outputs_of(OutputKind.GRAD)}
     update = {o.name: o.value for o in graph.outputs_of(OutputKind.UPDATE)}
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
-                          sbp=[repr(s) for s in (i.sbp or ())], why=i.why)
+                          sbp=dev(i.sbp or ()), why=i.why)
+    split = lambda i: repr(i.sbp[mb]) if mb is not None and i.sbp else None
     return P.Plan(
         sbpc_version=__version__,
         model=model,
-        mesh=[P.MeshAxis(name=n, size=s) for n, s in graph.mesh.axes],
+        mesh=[P.MeshAxis(name=n, size=s) for n, s in graph.mesh.device_axes],
         stages=programs,
         params=[P.ParamSpec(**spec(i), grad=grad[i.name], update=update[i.name]) for i in graph.inputs_of(InputKind.PARAM)],
         buffers=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BUFFER)],
         states=[P.StateSpec(**spec(i), update=update[i.name]) for i in graph.inputs_of(InputKind.STATE)],
-        batch=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BATCH)],
-        init=P.InitProgram(instructions=[_instr(n, []) for n in graph.init],
+        batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
+        init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
         optimizer=P.OptimizerSpec(kind=optimizer.kind, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                   weight_decay=optimizer.weight_decay, momentum=optimizer.momentum),
         estimates=P.Estimates(**estimates),
+        pipeline=graph.schedule,
     )
 
 
-def _instr(n: Node, free: list[str]) -> P.Instruction:
+def _instr(n: Node, free: list[str], dev, per_mb) -> P.Instruction:
     sbps = n.sbp or [()] * len(n.outputs)
-    types = [P.ValueType(shape=list(t.shape), dtype=t.dtype, sbp=[repr(s) for s in nd]) for t, nd in zip(n.types, sbps)]
+    types = [P.ValueType(shape=per_mb(t, nd), dtype=t.dtype, sbp=dev(nd)) for t, nd in zip(n.types, sbps)]
     loc = P.SourceLoc(module=n.loc.module, file=n.loc.file, line=n.loc.line) if n.loc else None
     return P.Instruction(op=n.op, args=[encode_arg(a) for a in n.args],
                          kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
                          outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc,
-                         sbp_in=[[repr(s) for s in nd] for nd in n.sbp_in] if n.sbp_in is not None else None,
+                         sbp_in=[dev(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
                          why=n.why)
 
 

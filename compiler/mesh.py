@@ -13,8 +13,14 @@ from sbpc.errors import UsageError
 from sbpc.runtime.plan import mesh_coords
 
 POSITIONAL_AXES = ("dp", "tp", "pp")
-KNOWN_AXES = ("pp", "dp", "cp", "tp")  # rank order: outermost first
-_HINT = "write 4x8x4 (dp x tp x pp) or dp=2,tp=2,pp=2; axes: " + ", ".join(KNOWN_AXES)
+# "mb" is the micro-batch axis: a split of the batch over time, not over devices. It exists
+# only inside the compiler (added by ``with_microbatches``), so SBP propagation and boxing
+# treat micro-batching like data parallelism; the schedule pass turns its reductions into
+# gradient accumulation. Users set it with --microbatches, never in --mesh.
+KNOWN_AXES = ("pp", "mb", "dp", "cp", "tp")  # rank order: outermost first
+MICROBATCH = "mb"
+USER_AXES = tuple(a for a in KNOWN_AXES if a != MICROBATCH)
+_HINT = "write 4x8x4 (dp x tp x pp) or dp=2,tp=2,pp=2; axes: " + ", ".join(USER_AXES)
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,24 @@ class Mesh:
             raise UsageError("mesh axes out of rank order", hint=f"order them {', '.join(KNOWN_AXES)}")
 
     @property
+    def device_axes(self) -> tuple[tuple[str, int], ...]:
+        """The axes that are devices: all but the micro-batch axis."""
+        return tuple((n, s) for n, s in self.axes if n != MICROBATCH)
+
+    @property
+    def microbatches(self) -> int:
+        return self.size(MICROBATCH)
+
+    def with_microbatches(self, m: int) -> "Mesh":
+        """This mesh with ``m`` micro-batches per step (no ``mb`` axis when ``m`` is 1)."""
+        if m < 1:
+            raise UsageError(f"--microbatches {m} must be at least 1")
+        axes = dict(self.device_axes) | ({MICROBATCH: m} if m > 1 else {})
+        return Mesh(tuple((n, axes[n]) for n in KNOWN_AXES if n in axes))
+
+    @property
     def world_size(self) -> int:
-        return math.prod(s for _, s in self.axes)
+        return math.prod(s for _, s in self.device_axes)
 
     def size(self, axis: str) -> int:
         return dict(self.axes).get(axis, 1)
@@ -51,11 +73,11 @@ class Mesh:
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices")
-        return mesh_coords(list(self.axes), rank)
+        return mesh_coords(list(self.device_axes), rank)
 
     def rank(self, coords: dict[str, int]) -> int:
         r = 0
-        for name, size in self.axes:
+        for name, size in self.device_axes:
             r = r * size + coords.get(name, 0)
         return r
 
@@ -78,7 +100,7 @@ def parse_mesh(text: str) -> Mesh:
             pairs.append((name.strip(), _parse_size(size, text)))
         _check_names([n for n, _ in pairs], text)
         by_name = dict(pairs)
-        return Mesh(tuple((n, by_name[n]) for n in KNOWN_AXES if n in by_name))
+        return Mesh(tuple((n, by_name[n]) for n in USER_AXES if n in by_name))
     sizes = [_parse_size(s, text) for s in text.lower().split("x")]
     if len(sizes) > len(POSITIONAL_AXES):
         raise UsageError(f"mesh {text!r} has {len(sizes)} axes, positional form takes at most 3", hint=_HINT)
@@ -88,7 +110,7 @@ def parse_mesh(text: str) -> Mesh:
 
 def _check_names(names: list[str], text: str) -> None:
     for n in names:
-        if n not in KNOWN_AXES:
+        if n not in USER_AXES:
             raise UsageError(f"unknown mesh axis {n!r} in {text!r}", hint=_HINT)
     if len(set(names)) != len(names):
         raise UsageError(f"mesh {text!r} names an axis twice", hint=_HINT)

@@ -24,7 +24,8 @@ def raise_plan(plan: P.Plan) -> Graph:
     outputs += [GraphOutput(OutputKind.UPDATE, s.update, s.name) for s in [*plan.params, *plan.states]]
     return Graph(name=model_name(plan.model.path), mesh=mesh, inputs=inputs, nodes=nodes, outputs=outputs,
                  init=[_node(i) for i in plan.init.instructions],
-                 init_outputs=[GraphOutput(OutputKind.INIT, v, k) for k, v in plan.init.outputs.items()])
+                 init_outputs=[GraphOutput(OutputKind.INIT, v, k) for k, v in plan.init.outputs.items()],
+                 schedule=plan.pipeline)
 
 
 def _input(kind: InputKind, s: P.TensorSpec) -> GraphInput:

@@ -29,7 +29,11 @@ class Communicator(ABC):
       chunks) of the ``all_reduce``.
     - ``all_to_all``: ``t`` cut into ``len(group)`` contiguous chunks along ``split_dim``; chunk j
       goes to member j; the received chunks are concatenated along ``concat_dim`` in group order.
-    - ``send`` / ``recv``: point to point with a global rank.
+    - ``send`` / ``recv``: point to point with a global rank, matched by ``tag``. ``send`` does
+      not wait for the receiver: it returns a handle whose ``wait()`` does. ``what`` names the
+      transfer (value and task) for the error when the peer dies or never answers.
+    - ``gather_objects``: every rank's picklable object, as a list on ``dst`` (None elsewhere).
+    - ``broadcast``: ``t`` from rank ``src`` on every rank.
     """
 
     rank: int
@@ -48,10 +52,16 @@ class Communicator(ABC):
     def all_to_all(self, t: torch.Tensor, group: tuple[int, ...], split_dim: int, concat_dim: int) -> torch.Tensor: ...
 
     @abstractmethod
-    def send(self, t: torch.Tensor, peer: int) -> None: ...
+    def send(self, t: torch.Tensor, peer: int, tag: int = 0, what: str = "send"): ...
 
     @abstractmethod
-    def recv(self, shape: list[int], dtype: torch.dtype, peer: int) -> torch.Tensor: ...
+    def recv(self, shape: list[int], dtype: torch.dtype, peer: int, tag: int = 0, what: str = "recv") -> torch.Tensor: ...
+
+    @abstractmethod
+    def gather_objects(self, obj, dst: int = 0) -> list | None: ...
+
+    @abstractmethod
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -85,12 +95,19 @@ class LocalCommunicator(Communicator):
         self._only_me(group)
         return t
 
-    def send(self, t, peer):
+    def send(self, t, peer, tag=0, what="send"):
         self._only_me((peer,))
 
-    def recv(self, shape, dtype, peer):
+    def recv(self, shape, dtype, peer, tag=0, what="recv"):
         self._only_me((peer,))
         raise PlanError("a one-process run has nothing to receive")
+
+    def gather_objects(self, obj, dst=0):
+        return [obj]
+
+    def broadcast(self, t, src):
+        self._only_me((src,))
+        return t
 
     def barrier(self) -> None:
         pass
@@ -118,6 +135,8 @@ class Backend(ABC):
                             hint="build the communicator for the plan's mesh")
         self._cache: dict[str, Callable] = {}
         self._own: dict[str, Callable] | None = None
+        # the micro-batch being computed and how many a step has (``shard_slice`` over "mb")
+        self.microbatch, self.microbatches = 0, 1
 
     def kernel(self, op: str) -> Callable:
         fn = self._cache.get(op)

@@ -67,7 +67,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     import torch
 
     from sbpc.runtime.backend import make_backend
-    from sbpc.runtime.runner import BatchSource, Runner, step_seed
+    from sbpc.runtime.runner import BatchSource, make_runner, step_seed
     from sbpc.runtime.weights import load_weights, save_weights
 
     if args.threads:
@@ -75,7 +75,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     topology = communicator.topology if communicator is not None else None
     backend = make_backend(args.backend, communicator, topology)
     weights = load_weights(args.weights, plan) if args.weights else None
-    runner = Runner(plan, backend, seed=args.seed, weights=weights)
+    runner = make_runner(plan, backend, seed=args.seed, weights=weights)
     weights = None
     batches = BatchSource(plan, args.seed)
     losses = []

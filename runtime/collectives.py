@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 def axis_group(backend: Backend, axis: str) -> tuple[tuple[int, ...], int]:
     """(the global ranks along ``axis`` through this rank, this rank's index among them)."""
+    if axis == "mb":  # micro-batches: a sequential axis; this rank is at the current one
+        return tuple(range(backend.microbatches)), backend.microbatch
     topo = backend.topology
     if topo.axes and axis not in dict(topo.axes):
         raise PlanError(f"the plan communicates over mesh axis {axis!r}, which this mesh {dict(topo.axes)} lacks",

@@ -271,14 +271,37 @@ class GlooCommunicator(Communicator):
         pieces = [c.movedim(0, split_dim) for c in out.chunk(n, dim=0)]  # piece from member i
         return torch.cat(pieces, dim=concat_dim)
 
-    def send(self, t, peer):
+    def send(self, t, peer, tag=0, what="send"):
         src = t.detach().contiguous()
-        self._run("send", (self.rank, peer), lambda pg: dist.send(src, dst=peer), world=True)
+        work = []
+        self._run(what, (self.rank, peer), lambda pg: work.append(dist.isend(src, dst=peer, tag=tag)), world=True)
+        return _Pending(self, work[0], what, (self.rank, peer), src)
 
-    def recv(self, shape, dtype, peer):
+    def recv(self, shape, dtype, peer, tag=0, what="recv"):
         out = torch.empty(shape, dtype=dtype)
-        self._run("recv", (peer, self.rank), lambda pg: dist.recv(out, src=peer), world=True)
+        self._run(what, (peer, self.rank), lambda pg: dist.recv(out, src=peer, tag=tag), world=True)
+        return out
+
+    def gather_objects(self, obj, dst=0):
+        out = [None] * self.world_size if self.rank == dst else None
+        self._run("gather of results", tuple(range(self.world_size)),
+                  lambda pg: dist.gather_object(obj, out, dst=dst), world=True)
+        return out
+
+    def broadcast(self, t, src):
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        self._run("broadcast", tuple(range(self.world_size)), lambda pg: dist.broadcast(out, src=src), world=True)
         return out
 
     def barrier(self):
         self._run("barrier", tuple(range(self.world_size)), lambda pg: dist.barrier(), world=True)
+
+
+class _Pending:
+    """A send in flight; ``wait`` turns a dead or silent receiver into a named error."""
+
+    def __init__(self, comm: GlooCommunicator, work, what: str, group: tuple[int, ...], keep: torch.Tensor):
+        self.comm, self.work, self.what, self.group, self.keep = comm, work, what, group, keep
+
+    def wait(self) -> None:
+        self.comm._run(self.what, self.group, lambda pg: self.work.wait(), world=True)

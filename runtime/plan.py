@@ -18,7 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sbpc.errors import PlanError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+DTYPES = {
+    "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
+    "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "bool": "bool",
+    "c64": "complex64",
+    "none": "none",  # an absent optional result of an op (e.g. an unneeded gradient)
+}
 
 
 class _Model(BaseModel):
@@ -67,7 +74,7 @@ class Instruction(_Model):
     outs: list[str] = Field(default_factory=list)
     types: list[ValueType] = Field(default_factory=list)  # one per out
     free: list[str] = Field(default_factory=list)  # values whose last use is this instruction
-    role: Literal["fwd", "bwd", "opt", "init"]
+    role: Literal["pre", "fwd", "bwd", "opt", "init"]
     stage: int | None = None
     loc: SourceLoc | None = None  # the user's module and line, for error messages
     sbp_in: list[list[str]] | None = None  # the nd-SBP it receives of each tensor input
@@ -81,6 +88,7 @@ class TensorSpec(_Model):
     dtype: str  # torch dtype name, e.g. "float32"
     sbp: list[str] = Field(default_factory=list)  # one entry per non-pp mesh axis
     why: str | None = None  # where its SBP came from (`sbpc explain`)
+    microbatch: str | None = None  # batch inputs of a pipelined plan: how micro-batches split it ("S(0)")
 
 
 class ParamSpec(TensorSpec):
@@ -97,6 +105,38 @@ class StageProgram(_Model):
     stage: int
     instructions: list[Instruction]
     loss: str
+
+
+class TaskRef(_Model):
+    """One firing of a pipeline actor: a chunk's phase for one micro-batch (None: once a step)."""
+    chunk: int
+    phase: Literal["pre", "fwd", "bwd", "opt"]
+    mb: int | None = None
+
+    def __str__(self) -> str:
+        names = {"pre": "P", "fwd": "F", "bwd": "B", "opt": "U"}
+        return f"{names[self.phase]}{self.chunk}" + ("" if self.mb is None else f".{self.mb}")
+
+
+class ReplicaUpdate(_Model):
+    """A parameter a chunk uses but does not own (a tied weight): its new value arrives by a
+    transfer from the owner's optimizer."""
+    chunk: int
+    name: str  # the parameter's FQN
+    value: str  # the transferred new value on this chunk
+
+
+class PipelineSpec(_Model):
+    """How the stage programs run as a pipeline: micro-batches, the per-device firing order
+    (derived and proved deadlock-free by the compiler), and the activation regst counts."""
+    schedule: Literal["1f1b", "gpipe", "interleaved"]
+    microbatches: int
+    stages: int  # pp: device stages; chunk c runs on stage c % stages
+    virtual_stages: int  # chunks per device stage
+    in_flight: list[int]  # per device stage: micro-batches whose activations wait for backward
+    order: list[list[TaskRef]]  # per device stage, the order its actors fire in
+    replicas: list[ReplicaUpdate] = Field(default_factory=list)
+    bubble: float = 0.0  # idle fraction of the step in the compiler's simulation
 
 
 class InitProgram(_Model):
@@ -146,6 +186,7 @@ class Plan(_Model):
     init: InitProgram
     optimizer: OptimizerSpec
     estimates: Estimates
+    pipeline: PipelineSpec | None = None  # None: one stage, one micro-batch
 
     @property
     def world_size(self) -> int:

@@ -37,19 +37,10 @@ class Runner:
     """Holds one rank's parameters, buffers and optimizer state, and steps the plan."""
 
     def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
-        if plan.world_size != backend.communicator.world_size:
-            raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
-                                 hint="launch as many ranks as the plan's mesh has devices")
-        axes = tuple((a.name, a.size) for a in plan.mesh)
-        if plan.world_size > 1 and tuple(backend.topology.axes) != axes:
-            raise RuntimeFailure(f"plan's mesh {dict(axes)} is not the backend's mesh {dict(backend.topology.axes)}",
-                                 hint="build the communicator with runtime.dist.init_distributed(plan, ...)")
-        if len(plan.stages) != 1:
-            raise RuntimeFailure(f"plan has {len(plan.stages)} pipeline stages; this runtime runs one",
-                                 hint="compile without a pp axis until pipeline execution lands")
-        self.plan, self.backend = plan, backend
-        self.topology = backend.topology
-        self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
+        self._bind(plan, backend)
+        if len(plan.stages) != 1 or plan.pipeline is not None:
+            raise RuntimeFailure(f"plan has {len(plan.stages)} pipeline stages; Runner runs one",
+                                 hint="use runtime.pipeline.PipelineRunner (make_runner picks it)")
         stage = plan.stages[0]
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
         # outputs: the loss, then each param's gradient and update, then each state's update
@@ -60,14 +51,33 @@ class Runner:
         types = {o: t for ins in stage.instructions for o, t in zip(ins.outs, ins.types)}
         self.loss_sbp = self._value_sbp(types.get(stage.loss))
         self.grad_sbp = {p.name: self._value_sbp(types.get(p.grad), fallback=p) for p in plan.params}
+        self._load(weights, seed, {p.name for p in plan.params}, {b.name for b in plan.buffers},
+                   {s.name for s in plan.states})
+
+    def _bind(self, plan: Plan, backend: Backend) -> None:
+        if plan.world_size != backend.communicator.world_size:
+            raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
+                                 hint="launch as many ranks as the plan's mesh has devices")
+        axes = tuple((a.name, a.size) for a in plan.mesh)
+        if plan.world_size > 1 and tuple(backend.topology.axes) != axes:
+            raise RuntimeFailure(f"plan's mesh {dict(axes)} is not the backend's mesh {dict(backend.topology.axes)}",
+                                 hint="build the communicator with runtime.dist.init_distributed(plan, ...)")
+        self.plan, self.backend = plan, backend
+        self.topology = backend.topology
+        self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
+        specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
         self.spec_sbp = {s.name: self._nd(s.sbp) for s in specs}
-        dev = backend.device
-        tensors = dict(weights) if weights is not None else init_weights(plan, backend, seed)
-        self.params = {p.name: self._shard(tensors.pop(p.name), p).to(dev) for p in plan.params}
-        self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in plan.buffers}
+
+    def _load(self, weights, seed: int, params: set[str], buffers: set[str], states: set[str]) -> None:
+        """This rank's shards of the named params and buffers, and zeroed optimizer states."""
+        dev = self.backend.device
+        tensors = dict(weights) if weights is not None else init_weights(self.plan, self.backend, seed)
+        self.params = {p.name: self._shard(tensors.pop(p.name), p).to(dev) for p in self.plan.params if p.name in params}
+        self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in self.plan.buffers if b.name in buffers}
         del tensors
         self.states = {s.name: torch.zeros(local_shape(s.shape, self.spec_sbp[s.name], self.sizes),
-                                           dtype=getattr(torch, s.dtype), device=dev) for s in plan.states}
+                                           dtype=getattr(torch, s.dtype), device=dev)
+                       for s in self.plan.states if s.name in states}
 
     def _nd(self, sbp: list[str]) -> NdSbp:
         """The nd-SBP of a plan entry, one per sbp axis of the mesh (missing entries: B)."""
@@ -168,3 +178,11 @@ class BatchSource:
         torch.manual_seed(batch_seed(self.seed, step))
         batch = self.fn(self.plan.model.batch_size, **self.plan.model.sets)
         return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+
+
+def make_runner(plan: Plan, backend: Backend, **kw) -> Runner:
+    """The runner of ``plan``: ``PipelineRunner`` for pipelined plans (stages or micro-batches)."""
+    if plan.pipeline is not None:
+        from sbpc.runtime.pipeline import PipelineRunner
+        return PipelineRunner(plan, backend, **kw)
+    return Runner(plan, backend, **kw)

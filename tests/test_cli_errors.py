@@ -78,19 +78,19 @@ def test_batch_that_does_not_divide_over_dp(tmp_path):
 
 def test_corrupt_plan_json(tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text('{"schema_version": 1, "stages": [')
+    plan.write_text('{"schema_version": 2, "stages": [')
     assert_one_line_error(sbpc("run", str(plan)), r"is not valid JSON.*\(at .*plan\.json:1:\d+\)")
 
 
 def test_wrong_schema_version(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"schema_version": 99}))
-    assert_one_line_error(sbpc("inspect", str(plan)), r"schema_version 99, this sbpc reads version 1")
+    assert_one_line_error(sbpc("inspect", str(plan)), r"schema_version 99, this sbpc reads version 2")
 
 
 def test_malformed_plan(tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"schema_version": 1, "stages": 3}))
+    plan.write_text(json.dumps({"schema_version": 2, "stages": 3}))
     assert_one_line_error(sbpc("run", str(plan)), r"is malformed at")
 
 

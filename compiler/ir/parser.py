@@ -15,6 +15,9 @@ import math
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput
 
+from pydantic import ValidationError
+
+from sbpc.runtime.plan import PipelineSpec
 from sbpc.compiler.ir.types import (
     DTYPES, DType, Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role,
     SourceLoc, Sym, TensorType,
@@ -86,10 +89,17 @@ def _enum(cls, token: Token, what: str):
 class _Build(Transformer):
     """Builds the IR bottom-up; stateless, so the cached parser can share one instance."""
 
-    def start(self, graph, init):
+    def start(self, graph, init, schedule):
         if init is not None:
             graph.init, graph.init_outputs = init
+        graph.schedule = schedule
         return graph
+
+    def schedule(self, text):
+        try:
+            return PipelineSpec.model_validate_json(json.loads(text))
+        except ValidationError as e:
+            raise _Reject(text, f"bad pipeline schedule: {e.errors()[0]['msg']}", "print it with sbpc; do not edit it") from None
 
     def graph(self, name, mesh, *items):
         g = Graph(str(name), mesh)

@@ -41,6 +41,8 @@ def print_graph(graph: Graph) -> str:
         lines += [f"  {format_node(n)}" for n in graph.init]
         lines += [f"  {format_output(o)}" for o in graph.init_outputs]
         lines.append("}")
+    if graph.schedule is not None:
+        lines.append(f"schedule {json.dumps(graph.schedule.model_dump_json())}")
     return "\n".join(lines) + "\n"
 
 

@@ -16,14 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from sbpc.compiler.mesh import Mesh
+from sbpc.runtime.plan import DTYPES, PipelineSpec
 from sbpc.runtime.sbp import NdSbp, local_shape
 
-DTYPES = {
-    "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
-    "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "bool": "bool",
-    "c64": "complex64",
-    "none": "none",  # an absent optional result of an op (e.g. an unneeded gradient)
-}
 DTYPE_BY_TORCH_NAME = {v: k for k, v in DTYPES.items()}
 
 
@@ -89,6 +84,7 @@ class Sym:
 
 
 class Role(enum.Enum):
+    PRE = "pre"  # per micro-batch, before any forward (the inputs of a sum over micro-batches)
     FORWARD = "fwd"
     BACKWARD = "bwd"
     OPTIMIZER = "opt"
@@ -203,6 +199,7 @@ class Graph:
     outputs: list[GraphOutput] = field(default_factory=list)
     init: list[Node] = field(default_factory=list)
     init_outputs: list[GraphOutput] = field(default_factory=list)
+    schedule: PipelineSpec | None = None  # set by the schedule pass on pipelined meshes
 
     def value_types(self) -> dict[str, TensorType]:
         types = {i.value: i.type for i in self.inputs}

@@ -1,4 +1,6 @@
 """The passes, one per file, and the registry that names them."""
+from dataclasses import dataclass
+
 from sbpc.compiler.passes.boxing import Boxing
 from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
@@ -7,14 +9,26 @@ from sbpc.compiler.passes.decompose import Decompose
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
+from sbpc.compiler.passes.schedule import Schedule
 from sbpc.compiler.passes.sbp_propagate import SbpPropagate
 from sbpc.compiler.passes.stage_partition import StagePartition
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Localize, MemoryPlan)}
+                                SbpPropagate, Boxing, Coalesce, Localize, Schedule, MemoryPlan)}
 
 
-def default_pipeline():
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a pipelined mesh runs: the schedule and the chunks per device stage. (The
+    micro-batch count is the mesh's ``mb`` axis.)"""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+
+
+def default_pipeline(pipeline: PipelineOptions = PipelineOptions()):
     """The passes `sbpc compile` runs, in order."""
-    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), StagePartition(),
-            SbpPropagate(), Boxing(), Coalesce(), Localize(), MemoryPlan()]
+    v = pipeline.virtual_stages
+    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(),
+            StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
+            Localize(), Schedule(schedule=pipeline.schedule, virtual_stages=v), MemoryPlan()]

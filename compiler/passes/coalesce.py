@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, Node, Role
+from sbpc.compiler.mesh import MICROBATCH, Mesh
+from sbpc.runtime.sbp import Broadcast
 
 OP = "sbpc.all_reduce_coalesced"
 
@@ -26,8 +28,11 @@ class Coalesce:
         nodes = list(graph.nodes)
         groups: dict[tuple, list[int]] = {}
         for i, n in enumerate(nodes):
-            if n.op == "sbpc.all_reduce" and n.role in (Role.BACKWARD, Role.OPTIMIZER):
-                key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage)
+            if n.op == "sbpc.all_reduce" and n.role in (Role.BACKWARD, Role.OPTIMIZER) and n.kwargs.get("axis") != MICROBATCH:
+                # a per-micro-batch reduction (an activation's gradient) never shares a bucket
+                # with a once-per-step one (an accumulated weight gradient)
+                key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,
+                       per_microbatch(graph.mesh, n))
                 groups.setdefault(key, []).append(i)
         buckets = [b for idxs in groups.values() for b in self._buckets(nodes, idxs) if len(b) > 1]
         for bucket in sorted(buckets, key=lambda b: -b[-1]):  # from the end: earlier indices stay valid
@@ -77,3 +82,11 @@ def _fuse(ns: list[Node]) -> Node:
                    types=[n.types[0] for n in ns], sbp=[n.sbp[0] for n in ns] if last.sbp else None,
                    sbp_in=[n.sbp_in[0] for n in ns] if last.sbp_in else None,
                    why=f"{len(ns)} all-reduces of the backward fused into one call")
+
+
+def per_microbatch(mesh: Mesh, n: Node) -> bool:
+    """Whether ``n`` reads a value that differs between micro-batches (split or partial on mb)."""
+    if MICROBATCH not in mesh.sbp_axes or not n.sbp_in:
+        return False
+    a = mesh.sbp_axes.index(MICROBATCH)
+    return any(not isinstance(nd[a], Broadcast) for nd in n.sbp_in)

@@ -9,13 +9,15 @@ bit). Each rewrite computes the same value with ops that have SBP rules:
 - ``_log_softmax_backward_data(g, y, d)`` = ``g - exp(y) * sum(g, d)``;
 - ``nll_loss_forward`` with ``reduction=mean`` = the ``sum`` reduction divided by the total
   weight, and its backward likewise: with the batch split, the sum and the weight count are
-  partial, so the mean is exact even when ignored targets are spread unevenly.
+  partial, so the mean is exact even when ignored targets are spread unevenly. Without class
+  weights the count is taken from the targets alone (``sum(target != ignore_index)``), so it
+  never waits for the logits: micro-batches learn the whole batch's count up front.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.ir.types import FreshNames, Graph, Node, Ref, TensorType
+from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
 
 _MEAN, _SUM = 1, 2
 
@@ -30,9 +32,10 @@ class Decompose:
             return graph
         fresh = FreshNames({i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs})
         nodes: list[Node] = []
+        types = graph.value_types()
         for n in graph.nodes:
             rewrite = _REWRITES.get(n.op)
-            nodes.extend(rewrite(n, fresh) if rewrite else [n])
+            nodes.extend(rewrite(n, fresh, types) if rewrite else [n])
         return replace(graph, nodes=nodes)
 
 
@@ -40,7 +43,7 @@ def _like(n: Node, outputs, op, args, types, kwargs=None) -> Node:
     return replace(n, outputs=outputs, op=op, args=tuple(args), kwargs=kwargs or {}, types=types, sbp=None)
 
 
-def _log_softmax(n: Node, fresh) -> list[Node]:
+def _log_softmax(n: Node, fresh, types) -> list[Node]:
     x, dim = n.args[0], n.args[1]
     t = n.types[0]
     red = TensorType(tuple(1 if i == dim % len(t.shape) else s for i, s in enumerate(t.shape)), t.dtype)
@@ -56,7 +59,7 @@ def _log_softmax(n: Node, fresh) -> list[Node]:
     ]
 
 
-def _log_softmax_backward(n: Node, fresh) -> list[Node]:
+def _log_softmax_backward(n: Node, fresh, types) -> list[Node]:
     g, y, dim = n.args[0], n.args[1], n.args[2]
     t = n.types[0]
     red = TensorType(tuple(1 if i == dim % len(t.shape) else s for i, s in enumerate(t.shape)), t.dtype)
@@ -70,20 +73,33 @@ def _log_softmax_backward(n: Node, fresh) -> list[Node]:
     ]
 
 
-def _nll_loss_forward(n: Node, fresh) -> list[Node]:
+def _nll_loss_forward(n: Node, fresh, types) -> list[Node]:
     if n.args[3] != _MEAN:
         return [n]
     out, weight = n.outputs
     total = fresh(f"{out}_sum")
     args = list(n.args)
     args[3] = _SUM
+    if n.args[2] is not None:  # class weights: the total weight comes out of the kernel
+        return [
+            _like(n, [total, weight], n.op, args, n.types, n.kwargs),
+            _like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
+        ]
+    # Without class weights the total weight is the count of targets not ignored. Counted from
+    # the targets alone it does not depend on the logits, so with micro-batches the count of
+    # the whole batch is known before the first forward (the schedule's ``pre`` phase).
+    target, ignore = n.args[1], n.args[4]
+    kept, unused = fresh(f"{out}_kept"), fresh(f"{weight}_kernel")
+    mask = TensorType(types[target.name].shape, "bool")
     return [
-        _like(n, [total, weight], n.op, args, n.types, n.kwargs),
+        _like(n, [total, unused], n.op, args, n.types, n.kwargs),
+        _like(n, [kept], "aten.ne.Scalar", [target, ignore], [mask]),
+        _like(n, [weight], "aten.sum.default", [Ref(kept)], [n.types[1]], {"dtype": DType(n.types[1].dtype)}),
         _like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
     ]
 
 
-def _nll_loss_backward(n: Node, fresh) -> list[Node]:
+def _nll_loss_backward(n: Node, fresh, types) -> list[Node]:
     if n.args[4] != _MEAN:
         return [n]
     g, weight = n.args[0], n.args[6]

@@ -20,6 +20,7 @@ from sbpc.compiler.boxing_plan import boxing_cost
 from sbpc.compiler.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.hint_op import OP as HINT_OP
 from sbpc.compiler.hints import parse_spec_string
+from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp_layout import Layouts, NdSignature
 from sbpc.compiler.sbp_rules import RuleBook
@@ -95,6 +96,7 @@ class _Solver:
     def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel):
         self.g, self.lay, self.sizes, self.model = graph, layouts, sizes, model
         self.axes = graph.mesh.sbp_axes
+        self.sequential = frozenset(a for a, name in enumerate(self.axes) if name == MICROBATCH)
         self.types: dict[str, TensorType] = layouts.types
         self.cands: list[list[NdSignature]] = [layouts.candidates(i) for i in range(len(graph.nodes))]
         self.uses = [list(n.uses()) for n in graph.nodes]
@@ -144,13 +146,18 @@ class _Solver:
                     nd[self.axes.index(axis)] = s
             self._check_divides(i.type, tuple(nd), f"{i.kind.value} {i.name!r}", where)
             return tuple(nd), f"hint {hint_node.args[1]} at {where}"
-        if i.kind == InputKind.BATCH and "dp" in self.axes and self.sizes[self.axes.index("dp")] > 1:
-            nd[self.axes.index("dp")] = Split(0)
-            k = self.sizes[self.axes.index("dp")]
+        split = [a for a in (MICROBATCH, "dp") if a in self.axes and self.sizes[self.axes.index(a)] > 1]
+        if i.kind == InputKind.BATCH and split:
+            k = 1
+            for a in split:
+                nd[self.axes.index(a)] = Split(0)
+                k *= self.sizes[self.axes.index(a)]
             if not i.type.shape or i.type.shape[0] % k:
-                raise CompileError(f"{i.name} has shape {list(i.type.shape)}: its batch dim does not divide over dp={k}",
+                over = " x ".join(f"{a}={self.sizes[self.axes.index(a)]}" for a in split)
+                raise CompileError(f"{i.name} has shape {list(i.type.shape)}: its batch dim does not divide over {over}",
                                    hint=f"use a --batch-size that is a multiple of {k}")
-            return tuple(nd), "batch input: S(0) on dp (data parallel)"
+            names = {"dp": "dp (data parallel)", MICROBATCH: "mb (micro-batches)"}
+            return tuple(nd), "batch input: S(0) on " + " and ".join(names[a] for a in split)
         what = "parameter without a hint" if i.kind == InputKind.PARAM else i.kind.value
         return tuple(nd), f"{what}: B (replicated)"
 
@@ -179,7 +186,7 @@ class _Solver:
     def box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
         key = (src, dst, t)
         if key not in self._box:
-            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model)
+            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential)
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
@@ -201,11 +208,35 @@ class _Solver:
                           if all(tuple(nd[a] for nd in c.ins + c.outs) == tuple(nd[a] for nd in w.ins + w.outs)
                                  for a, w in want)), None)
             if match is None:
+                match = self._add_combined(idx, want)
+            if match is None:
                 return False
             picks.append(match)
         for idx, ci in enumerate(picks):
             self._set(idx, ci)
         return True
+
+    def _add_combined(self, idx: int, want) -> int | None:
+        """The candidate made of each axis's one-axis choice, added when the capped candidate
+        list left it out; None when it does not divide."""
+        n = self.g.nodes[idx]
+        first = want[0][1]
+        width = len(self.axes)
+
+        def nd(pos: int) -> NdSbp:
+            out = [Broadcast()] * width
+            for a, w in want:
+                out[a] = (w.ins + w.outs)[pos][a]
+            return tuple(out)
+
+        count = len(first.ins) + len(first.outs)
+        sbps = [nd(p) for p in range(count)]
+        shapes = [self.types[u].shape for u in self.uses[idx]] + [t.shape for t in n.types]
+        if not all(divides(shape, x, self.sizes) for shape, x in zip(shapes, sbps)):
+            return None
+        notes = tuple(next((w.notes[a] for b, w in want if b == a), "all B") for a in range(width))
+        self.cands[idx].append(NdSignature(tuple(sbps[:len(first.ins)]), tuple(sbps[len(first.ins):]), notes))
+        return len(self.cands[idx]) - 1
 
     def greedy(self) -> None:
         for idx in range(len(self.g.nodes)):

@@ -1,0 +1,288 @@
+"""schedule: cut the program into pipeline actors and prove the firing order deadlock-free.
+
+Micro-batching is a split of the batch over the compiler's ``mb`` axis, so after boxing a
+value is per micro-batch (split or partial on ``mb``) or per step (``B`` on ``mb``), and the
+only ``mb`` collectives are all-reduces. This pass gives them their sequential meaning:
+
+- an ``mb`` all-reduce becomes ``sbpc.mb_accumulate`` on the chunk that makes its input. When
+  its input comes out of the backward (a weight gradient), it and everything after it run
+  once a step in the ``opt`` phase (gradient accumulation, then one optimizer step). When it
+  sums a forward value the micro-batches need (the token count of a mean loss), the ops it
+  reads become the ``pre`` phase, which runs for every micro-batch before any forward;
+- a value read on another chunk gets an ``sbpc.transfer`` there, in the phase that first
+  needs it: send/recv between matching ranks of the two stages. Boxing already placed SBP
+  conversions at the consumer, so a tp-split activation crosses split and is gathered after
+  receipt (Megatron's scatter/gather);
+- a parameter used on several chunks (a tied embedding / lm-head) is updated by its owner
+  (the chunk of its optimizer); the others receive the new value once a step. The gradient
+  contributions meet at the owner before the update, so all copies stay identical;
+- the loss and gradients leave the step accumulated over micro-batches.
+
+Then the actor system of every device stage is simulated (``schedule_sim``); the firing order
+it yields is replayed with the runtime's semantics (``pipeline_tasks.replay``), which raises
+on any wait cycle, before it goes into the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
+from sbpc.compiler.mesh import MICROBATCH
+from sbpc.compiler.schedule_sim import Simulation, TaskCost, simulate
+from sbpc.errors import CompileError, PlanError
+from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, Task, TaskGraph, replay
+from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
+from sbpc.runtime.sbp import Broadcast
+
+_SEQUENTIAL_OK = {"sbpc.all_reduce", "sbpc.shard_slice", "sbpc.keep_first"}
+_ORDER = {Role.PRE: 0, Role.FORWARD: 1, Role.BACKWARD: 2, Role.OPTIMIZER: 3}
+
+
+@dataclass
+class Schedule:
+    name: str = "schedule"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cost: TaskCost | None = None  # durations for the simulation; unit cost when None
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        pp, m = graph.mesh.size("pp"), graph.mesh.microbatches
+        if pp == 1 and m == 1:
+            return graph
+        graph = _Cutter(graph).run()
+        tg = task_graph(graph)
+        sim = simulate(tg, self.schedule, pp, self.virtual_stages, self.cost)
+        try:
+            replay(tg, sim.order, lambda c: c % pp)
+        except PlanError as err:
+            raise CompileError(err.message, hint=err.hint) from None
+        spec = PipelineSpec(
+            schedule=self.schedule, microbatches=m, stages=pp, virtual_stages=self.virtual_stages,
+            in_flight=sim.in_flight, order=[[TaskRef(chunk=t.chunk, phase=t.phase, mb=t.mb) for t in dev] for dev in sim.order],
+            replicas=_replicas(graph), bubble=round(sim.bubble(), 6))
+        return replace(graph, schedule=spec)
+
+
+def task_graph(graph: Graph) -> TaskGraph:
+    items = [Item(i, n.op, tuple(n.outputs), tuple(n.uses()), n.role.value, n.stage or 0,
+                  n.kwargs.get("src") if n.op == TRANSFER else None) for i, n in enumerate(graph.nodes)]
+    outs = [o.value for o in graph.outputs]
+    return TaskGraph(items, outs, graph.mesh.microbatches)
+
+
+def simulate_graph(graph: Graph, schedule: str, virtual_stages: int, cost: TaskCost | None = None) -> Simulation:
+    return simulate(task_graph(graph), schedule, graph.mesh.size("pp"), virtual_stages, cost)
+
+
+class _Cutter:
+    def __init__(self, graph: Graph):
+        self.g = graph
+        axes = graph.mesh.sbp_axes
+        self.mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
+        self.sbp = {i.value: i.sbp for i in graph.inputs}
+        for n in graph.nodes:
+            self.sbp.update(zip(n.outputs, n.sbp or []))
+        self.producer = {o: i for i, n in enumerate(graph.nodes) for o in n.outputs}
+        self.fresh = FreshNames(set(self.sbp) | set(self.producer))
+
+    def per_mb(self, v: str) -> bool:
+        nd = self.sbp.get(v)
+        return self.mb is not None and nd is not None and not isinstance(nd[self.mb], Broadcast)
+
+    def run(self) -> Graph:
+        nodes = self._phases(list(self.g.nodes))
+        nodes = self._step_values_for_optimizer(nodes)
+        nodes, outputs = self._accumulate_outputs(nodes)
+        nodes = self._transfers(nodes)
+        nodes, outputs = self._replica_updates(nodes, outputs)
+        return replace(self.g, nodes=nodes, outputs=outputs)
+
+    # ----- phases
+    def _phases(self, nodes: list[Node]) -> list[Node]:
+        for n in nodes:
+            axis = n.kwargs.get("axis")
+            if axis == MICROBATCH and n.op not in _SEQUENTIAL_OK:
+                raise CompileError(f"{n.op} over micro-batches: %{n.args[0]} would need every micro-batch at once",
+                                   location=str(n.loc) if n.loc else None,
+                                   hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
+        role = [n.role for n in nodes]
+        ancestors_bwd = self._reaches_backward(nodes)
+        for i, n in enumerate(nodes):
+            if not self._is_mb_reduce(n):
+                continue
+            x = n.args[0].name
+            early = not ancestors_bwd.get(x, False) and any(self.per_mb(o) for c in self._consumers(nodes, n.outputs[0])
+                                                            for o in nodes[c].outputs)
+            if early:
+                for a in self._ancestors(nodes, x):
+                    if nodes[a].role != Role.FORWARD:
+                        raise CompileError(f"the sum over micro-batches of %{x} depends on the backward",
+                                           location=str(nodes[a].loc) if nodes[a].loc else None)
+                    role[a] = Role.PRE
+                role[i] = Role.FORWARD
+            else:
+                role[i] = Role.OPTIMIZER
+        # everything after a once-a-step value that is not per micro-batch runs once a step
+        for i, n in enumerate(nodes):
+            if n.role == Role.OPTIMIZER or any(role[self.producer[u]] == Role.OPTIMIZER
+                                               for u in n.uses() if u in self.producer):
+                if role[i] != Role.FORWARD or not self._is_mb_reduce(n):
+                    role[i] = Role.OPTIMIZER
+        out = []
+        for i, n in enumerate(nodes):
+            if role[i] == Role.OPTIMIZER and any(self.per_mb(o) for o in n.outputs):
+                raise CompileError(f"{n.op} runs once a step but makes a per-micro-batch value",
+                                   location=str(n.loc) if n.loc else None,
+                                   hint="report this plan: the micro-batch split reached the optimizer")
+            n = replace(n, role=role[i])
+            if self._is_mb_reduce(n):
+                n = replace(n, op=ACCUMULATE, kwargs={"reduce": n.kwargs.get("reduce", "sum")},
+                            stage=nodes[self.producer[n.args[0].name]].stage if n.args[0].name in self.producer else n.stage)
+            out.append(n)
+        return _stable_phase_sort(out)
+
+    def _is_mb_reduce(self, n: Node) -> bool:
+        return n.op == "sbpc.all_reduce" and n.kwargs.get("axis") == MICROBATCH
+
+    def _reaches_backward(self, nodes: list[Node]) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        for n in nodes:
+            hit = n.role in (Role.BACKWARD, Role.OPTIMIZER) or any(out.get(u, False) for u in n.uses())
+            for o in n.outputs:
+                out[o] = hit
+        return out
+
+    def _consumers(self, nodes: list[Node], v: str) -> list[int]:
+        return [i for i, n in enumerate(nodes) if v in n.uses()]
+
+    def _ancestors(self, nodes: list[Node], v: str) -> list[int]:
+        seen, stack = set(), [v]
+        while stack:
+            u = stack.pop()
+            i = self.producer.get(u)
+            if i is None or i in seen:
+                continue
+            seen.add(i)
+            stack.extend(nodes[i].uses())
+        return sorted(seen)
+
+    def _step_values_for_optimizer(self, nodes: list[Node]) -> list[Node]:
+        """The once-a-step phase recomputes the per-step values it reads from a micro-batch
+        phase (positions, weight transposes, a summed count): the same in every micro-batch,
+        so reading one of them would be right, but it would tie the optimizer to a firing."""
+        producer = {o: n for n in nodes for o in n.outputs}
+        clones: dict[tuple[str, int], str] = {}
+        out: list[Node] = []
+
+        def clone(v: str, chunk: int, reader: Node) -> str:
+            p = producer.get(v)
+            if p is None or p.role == Role.OPTIMIZER:
+                return v
+            if self.per_mb(v):
+                raise CompileError(f"{reader.op} runs once a step but reads %{v}, which differs per micro-batch",
+                                   location=str(reader.loc) if reader.loc else None,
+                                   hint="report this plan: the micro-batch split reached the optimizer")
+            if (v, chunk) not in clones:
+                uses = {u: clone(u, chunk, p) for u in dict.fromkeys(p.uses())} if p.op != ACCUMULATE else {}
+                names = [self.fresh(f"{o}_step") for o in p.outputs]
+                for o, name in zip(p.outputs, names):
+                    clones[(o, chunk)] = name
+                    self.sbp[name] = self.sbp.get(o)
+                out.append(replace(_rename(p, uses), outputs=names, role=Role.OPTIMIZER, stage=chunk))
+            return clones[(v, chunk)]
+
+        for n in nodes:
+            if n.role == Role.OPTIMIZER and n.op != ACCUMULATE:
+                n = _rename(n, {u: clone(u, n.stage or 0, n) for u in dict.fromkeys(n.uses())})
+            out.append(n)
+        return out
+
+    # ----- what leaves the step
+    def _accumulate_outputs(self, nodes: list[Node]) -> tuple[list[Node], list]:
+        acc = {n.args[0].name: n.outputs[0] for n in nodes if n.op == ACCUMULATE}
+        producer = {o: n for n in nodes for o in n.outputs}
+        outputs, extra = [], []
+        for o in self.g.outputs:
+            if o.kind in (OutputKind.LOSS, OutputKind.GRAD) and self.per_mb(o.value):
+                if o.value not in acc:
+                    src = producer[o.value]
+                    name = self.fresh(f"{o.value}_acc")
+                    nd = tuple(Broadcast() if a == self.mb else s for a, s in enumerate(self.sbp[o.value]))
+                    extra.append(Node([name], ACCUMULATE, (Ref(o.value),), {"reduce": "sum"}, [src.types[0]],
+                                      Role.OPTIMIZER, loc=src.loc, stage=src.stage, sbp=[nd], sbp_in=[self.sbp[o.value]],
+                                      why=f"the step's {o.kind.value} summed over micro-batches"))
+                    acc[o.value] = name
+                    self.sbp[name] = nd
+                o = replace(o, value=acc[o.value])
+            outputs.append(o)
+        return nodes + extra, outputs
+
+    # ----- cross-chunk values
+    def _transfers(self, nodes: list[Node]) -> list[Node]:
+        made_on = {o: (n.stage or 0, n) for n in nodes for o in n.outputs}
+        moved: dict[tuple[str, int], str] = {}
+        out: list[Node] = []
+        for n in nodes:
+            here = n.stage or 0
+            renames = {}
+            for u in dict.fromkeys(n.uses()):
+                if u not in made_on or made_on[u][0] == here:
+                    continue
+                src_chunk, src = made_on[u]
+                if (u, here) not in moved:
+                    if src.role == Role.OPTIMIZER and n.role != Role.OPTIMIZER:
+                        raise CompileError(f"%{u} is made once a step on chunk {src_chunk} but read per micro-batch on chunk {here}",
+                                           location=str(n.loc) if n.loc else None)
+                    name = self.fresh(f"{u}_from{src_chunk}")
+                    nd = self.sbp.get(u)
+                    out.append(Node([name], TRANSFER, (Ref(u),), {"src": src_chunk, "dst": here},
+                                    [src.types[src.outputs.index(u)]], n.role, loc=src.loc, stage=here,
+                                    sbp=[nd] if nd is not None else None, sbp_in=[nd] if nd is not None else None,
+                                    why=f"%{u} crosses from chunk {src_chunk} to chunk {here}"))
+                    moved[(u, here)] = name
+                    self.sbp[name] = nd
+                    made_on[name] = (here, out[-1])
+                renames[u] = moved[(u, here)]
+            if renames:
+                n = _rename(n, renames)
+            out.append(n)
+        return _stable_phase_sort(out)
+
+    # ----- tied parameters
+    def _replica_updates(self, nodes: list[Node], outputs) -> tuple[list[Node], list]:
+        """A param read on chunks other than the one that updates it receives the new value."""
+        updates = {o.name: o.value for o in outputs if o.kind == OutputKind.UPDATE}
+        made_on = {o: n for n in nodes for o in n.outputs}
+        extra = []
+        for p in self.g.inputs_of(InputKind.PARAM):
+            readers = sorted({n.stage or 0 for n in nodes if p.value in n.uses()})
+            new = updates.get(p.name)
+            if new not in made_on:
+                continue
+            owner = made_on[new].stage or 0
+            for c in readers:
+                if c == owner:
+                    continue
+                name = self.fresh(f"{new}_to{c}")
+                extra.append(Node([name], TRANSFER, (Ref(new),), {"src": owner, "dst": c}, [p.type], Role.OPTIMIZER,
+                                  loc=made_on[new].loc, stage=c, sbp=[p.sbp] if p.sbp else None,
+                                  sbp_in=[p.sbp] if p.sbp else None,
+                                  why=f"tied parameter {p.name}: the new value from its owner, chunk {owner}"))
+        return nodes + extra, outputs
+
+
+def _replicas(graph: Graph) -> list[ReplicaUpdate]:
+    params = {o.value: o.name for o in graph.outputs if o.kind == OutputKind.UPDATE}
+    return [ReplicaUpdate(chunk=n.stage or 0, name=params[n.args[0].name], value=n.outputs[0])
+            for n in graph.nodes if n.op == TRANSFER and n.role == Role.OPTIMIZER and n.args[0].name in params]
+
+
+def _stable_phase_sort(nodes: list[Node]) -> list[Node]:
+    """Program order with phases in firing order (pre, fwd, bwd, opt), each phase's nodes in
+    their original relative order: every task's instructions stay topologically sorted."""
+    return sorted(nodes, key=lambda n: _ORDER.get(n.role, 3))
+
+
+def _rename(n: Node, renames: dict[str, str]) -> Node:
+    from sbpc.compiler.ir.types import rename_uses
+    return rename_uses(n, lambda u: renames.get(u, u))

@@ -1,0 +1,160 @@
+"""Simulate the actor system of a pipelined plan and derive each device's firing order.
+
+Every device stage runs its chunks' actors. An actor fires when what it reads is ready and,
+for a forward, when an activation regst is free: the forward of micro-batch j keeps what its
+backward needs in a regst until that backward has run. The regst count of a device is not
+configured; it follows from the schedule and the device's stage index s of p:
+
+==============  ============================================  =========================
+schedule        regsts of a device (micro-batches in flight)  when several actors can fire
+==============  ============================================  =========================
+``gpipe``       m * v                                         forward first
+``1f1b``        min(p - s, m)                                 backward first
+``interleaved`` min(2 (p - s - 1) + (v - 1) p + 1, m * v)     backward first; forwards in
+                                                              Megatron's chunk-major groups
+==============  ============================================  =========================
+
+Durations come from a ``TaskCost`` (a policy; unit cost by default: forward 1, backward 2,
+everything else 0, each divided by v for chunks of a virtual pipeline). The result is one
+order per device, which the runtime follows, plus the timeline for traces and the bubble.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sbpc.errors import CompileError
+from sbpc.runtime.pipeline_tasks import Task, TaskGraph, fmt
+
+TaskCost = Callable[[Task], float]
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def unit_cost(virtual_stages: int) -> TaskCost:
+    per = {"fwd": 1.0, "bwd": 2.0}
+    return lambda t: per.get(t.phase, 0.0) / virtual_stages
+
+
+@dataclass
+class Slice:
+    task: Task
+    device: int
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    order: list[list[Task]]
+    in_flight: list[int]  # regsts per device
+    peak_in_flight: list[int]  # the most micro-batches any device actually held
+    timeline: list[Slice] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.timeline), default=0.0)
+
+    def bubble(self) -> float:
+        """Idle fraction of the step, averaged over devices."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        busy = [0.0] * len(self.order)
+        for s in self.timeline:
+            busy[s.device] += s.end - s.start
+        return sum(1 - b / span for b in busy) / len(busy)
+
+
+def regsts(schedule: str, stage: int, stages: int, microbatches: int, virtual: int) -> int:
+    p, m, v, s = stages, microbatches, virtual, stage
+    if schedule == "gpipe":
+        return m * v
+    if schedule == "1f1b":
+        return min(p - s, m)
+    return min(2 * (p - s - 1) + (v - 1) * p + 1, m * v)
+
+
+def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: TaskCost | None = None) -> Simulation:
+    if schedule not in SCHEDULES:
+        raise CompileError(f"unknown pipeline schedule {schedule!r}", hint="choose one of " + ", ".join(SCHEDULES))
+    cost = cost or unit_cost(virtual)
+    p, m = stages, graph.m
+    limits = [regsts(schedule, s, p, m, virtual) for s in range(p)]
+    deps = {t: graph.deps(t) for t in graph.tasks()}
+    waiting = {d: [t for t in deps if t.chunk % p == d] for d in range(p)}
+    priority = _priority(schedule, p, virtual)
+    finish: dict[Task, float] = {}
+    held = [0] * p  # forwards whose backward has not run, per device
+    peak = [0] * p
+    has_bwd = {t.chunk for t in deps if t.phase == "bwd"}
+    busy_until = [0.0] * p
+    running: list[tuple[float, int, Task]] = []
+    order: list[list[Task]] = [[] for _ in range(p)]
+    timeline: list[Slice] = []
+    now, seq = 0.0, 0
+    while any(waiting.values()):
+        for d in range(p):
+            if busy_until[d] > now:
+                continue
+            ready = [t for t in waiting[d] if all(x in finish and finish[x] <= now for x in deps[t])
+                     and not (t.phase == "fwd" and t.chunk in has_bwd and held[d] >= limits[d])]
+            if not ready:
+                continue
+            t = min(ready, key=priority)
+            waiting[d].remove(t)
+            end = now + cost(t)
+            finish[t] = end
+            busy_until[d] = end
+            order[d].append(t)
+            timeline.append(Slice(t, d, now, end))
+            if t.phase == "fwd" and t.chunk in has_bwd:
+                held[d] += 1
+                peak[d] = max(peak[d], held[d])
+            heapq.heappush(running, (end, seq, t))
+            seq += 1
+        later = [e for e, _, _ in running if e > now]
+        if later:
+            now = min(later)
+        elif any(waiting.values()):
+            # nothing runs and nothing can start: only possible when a zero-cost task just
+            # finished at ``now`` (loop again) or the actor system is stuck
+            if not _progress_possible(waiting, deps, finish, now, held, limits, has_bwd, p):
+                stuck = [f"stage {d}: next {fmt(min(w, key=priority))}" for d, w in waiting.items() if w]
+                raise CompileError("the pipeline's actors cannot all fire: " + "; ".join(stuck),
+                                   hint="a dependency cycle between stages; check the stage assignment")
+        _release(running, now, held, has_bwd, p)
+    return Simulation(order, limits, peak, timeline)
+
+
+def _release(running, now, held, has_bwd, p) -> None:
+    while running and running[0][0] <= now:
+        _, _, t = heapq.heappop(running)
+        if t.phase == "bwd" and t.chunk in has_bwd:
+            held[t.chunk % p] -= 1
+
+
+def _progress_possible(waiting, deps, finish, now, held, limits, has_bwd, p) -> bool:
+    for d, ts in waiting.items():
+        for t in ts:
+            if all(x in finish and finish[x] <= now for x in deps[t]) and not (
+                    t.phase == "fwd" and t.chunk in has_bwd and held[d] >= limits[d]):
+                return True
+    return False
+
+
+def _priority(schedule: str, p: int, v: int):
+    phase_rank = {"pre": 0, "opt": 9}
+
+    def key(t: Task):
+        j = t.mb if t.mb is not None else 0
+        local = t.chunk // p  # which of the device's chunks
+        if t.phase in phase_rank:
+            return (phase_rank[t.phase], j, t.chunk)
+        first = 1 if (t.phase == "fwd") == (schedule == "gpipe") else 2
+        if schedule == "interleaved":
+            k = local if t.phase == "fwd" else v - 1 - local
+            return (first, j // p, k, j % p)
+        return (first, j, -t.chunk if t.phase == "bwd" else t.chunk)
+
+    return key

@@ -1,0 +1,259 @@
+"""Run a pipelined plan: this rank's actors fire in the order the compiler proved deadlock-free.
+
+Each task of the plan (``pipeline_tasks``) becomes one generated ``Program``. A step slices the
+batch into micro-batches (by each batch input's ``microbatch`` SBP, then by this rank's device
+coordinates), and walks ``plan.pipeline.order[stage]``. Before a task fires it receives what
+other stages sent it; when it finishes it adds its micro-batch's share to the accumulators
+(gradients, the loss, a token count) and sends what later stages read, without waiting for
+them. Values of micro-batch j live until the last task of j on this rank has run: that is the
+regst whose count the schedule fixed. A receive that outlives ``--timeout``, or a peer that
+dies, raises a ``RuntimeFailure`` naming the peer rank and the pending transfer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sbpc.errors import RuntimeFailure
+from sbpc.runtime.backend import Backend
+from sbpc.runtime.executor import Program
+from sbpc.runtime.pipeline_tasks import PER_MICROBATCH, Body, Item, Task, TaskGraph, fmt
+from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
+from sbpc.runtime.runner import Runner, StepResult
+from sbpc.runtime.sbp import parse_sbp
+from sbpc.runtime.sharding import take_chunk
+
+
+@dataclass
+class Firing:
+    """One actor firing on this rank, for the timeline."""
+    task: str
+    start: float  # seconds since the step began
+    end: float
+    step: int
+
+
+def instruction_uses(ins: Instruction) -> list[str]:
+    out: list[str] = []
+
+    def walk(a):
+        if isinstance(a, RefArg):
+            out.append(a.ref)
+        elif isinstance(a, list):
+            for x in a:
+                walk(x)
+
+    for a in [*ins.args, *ins.kwargs.values()]:
+        walk(a)
+    return out
+
+
+def plan_task_graph(plan: Plan) -> TaskGraph:
+    items = [Item(i, ins.op, tuple(ins.outs), tuple(instruction_uses(ins)), ins.role, prog.stage,
+                  ins.kwargs.get("src") if isinstance(ins.kwargs.get("src"), int) else None)
+             for prog in plan.stages for i, ins in enumerate(prog.instructions)]
+    outs = [plan.stages[0].loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
+            *(s.update for s in plan.states), *(r.value for r in plan.pipeline.replicas)]
+    return TaskGraph(items, outs, plan.pipeline.microbatches)
+
+
+class PipelineRunner(Runner):
+    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
+        self._bind(plan, backend)
+        spec = plan.pipeline
+        self.spec, self.m, self.p = spec, spec.microbatches, spec.stages
+        self.stage = self.topology.index("pp")
+        self.graph = plan_task_graph(plan)
+        self.order = [Task(t.chunk, t.phase, t.mb) for t in spec.order[self.stage]]
+        programs = {prog.stage: prog for prog in plan.stages}
+        self.programs: dict[tuple[int, str], Program] = {}
+        for key, body in self.graph.bodies.items():
+            if key[0] % self.p == self.stage:
+                self.programs[key] = _program(programs[key[0]].instructions, body, backend)
+        self.types = {o: t for prog in plan.stages for ins in prog.instructions for o, t in zip(ins.outs, ins.types)}
+        mine = {v for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage for v in b.inputs}
+        self._load(weights, seed, {p.name for p in plan.params if p.value in mine},
+                   {b.name for b in plan.buffers if b.value in mine}, {s.name for s in plan.states if s.value in mine})
+        self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
+                           for it in b.kernels + b.recvs + b.reads for o in it.outs}
+        self.firings: list[Firing] = []
+        self.steps = 0
+        self._last_of_mb = self._last_tasks()
+
+    # ----- one step
+    def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
+             keep_grads: bool = False) -> StepResult:
+        self._check_batch(batch)
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
+        step_env: dict[str, torch.Tensor] = {}
+        for group, specs in ((self.params, self.plan.params), (self.buffers, self.plan.buffers),
+                             (self.states, self.plan.states)):
+            step_env.update({s.value: group[s.name] for s in specs if s.name in group})
+        envs = [self._microbatch(batch, j) for j in range(self.m)]
+        acc: dict[str, torch.Tensor] = {}
+        local: dict[tuple[str, int | None], torch.Tensor] = {}
+        sends = []
+        t0 = time.perf_counter()
+        self.backend.microbatches = self.m
+        for task in self.order:
+            start = time.perf_counter() - t0
+            env = envs[task.mb] if task.mb is not None else step_env
+            body = self.graph.bodies[(task.chunk, task.phase)]
+            self._receive(task, body, env, local)
+            for it in body.reads:
+                env[it.outs[0]] = acc[it.uses[0]]
+            self.backend.microbatch = task.mb or 0
+            values = [env[v] if v in env else step_env[v] for v in body.inputs]
+            values += [env[it.outs[0]] for it in body.recvs + body.reads]
+            outs = self.programs[(task.chunk, task.phase)].run(values)
+            env.update(zip(body.outputs, outs))
+            for v, t in zip(body.outputs, outs):
+                if v in self.graph.accumulated:
+                    acc[v] = t.clone() if v not in acc else acc[v] + t
+            sends += self._send(task, env, local)
+            if task.mb is not None and self._last_of_mb.get(task.mb) == task:
+                envs[task.mb] = {}  # the micro-batch's regst is free
+            self.firings.append(Firing(fmt(task), start, time.perf_counter() - t0, self.steps))
+        for s in sends:
+            s.wait()
+        self.steps += 1
+        return self._finish(step_env, keep_grads)
+
+    def _microbatch(self, batch, j: int) -> dict[str, torch.Tensor]:
+        env = {}
+        for b, spec in zip(batch, self.plan.batch):
+            part = b
+            if spec.microbatch is not None and self.m > 1:
+                part = take_chunk(b, parse_sbp(spec.microbatch), j, self.m)
+            env[spec.value] = self._shard(part, spec).to(self.backend.device)
+        return env
+
+    def _peer(self, chunk: int) -> int:
+        return self.topology.rank_of({**self.topology.coords, "pp": chunk % self.p})
+
+    def _receive(self, task: Task, body: Body, env, local) -> None:
+        for it in body.recvs:
+            key = (it.outs[0], task.mb)
+            if it.src % self.p == self.stage:
+                env[it.outs[0]] = local.pop(key)
+                continue
+            vt = self.types[it.outs[0]]
+            shape = _local_shape(vt, self)
+            tag = self._tag(it.outs[0], task.mb)
+            env[it.outs[0]] = self.backend.communicator.recv(
+                shape, getattr(torch, DTYPES[vt.dtype]), self._peer(it.src), tag,
+                what=f"recv of %{it.outs[0]} for {fmt(task)} on stage {self.stage}")
+
+    def _send(self, task: Task, env, local) -> list:
+        pending = []
+        for s in self.graph.sends.get((task.chunk, task.phase), []):
+            if s.dst_chunk % self.p == self.stage:
+                local[(s.out, task.mb)] = env[s.value]
+                continue
+            pending.append(self.backend.communicator.send(
+                env[s.value], self._peer(s.dst_chunk), self._tag(s.out, task.mb),
+                what=f"send of %{s.value} from {fmt(task)} on stage {self.stage}"))
+        return pending
+
+    def _tag(self, out: str, mb: int | None) -> int:
+        base = next(s.tag for ss in self.graph.sends.values() for s in ss if s.out == out)
+        return base * (self.m + 1) + (0 if mb is None else mb + 1)
+
+    def _last_tasks(self) -> dict[int, Task]:
+        last: dict[int, Task] = {}
+        for t in self.order:
+            if t.mb is not None:
+                last[t.mb] = t
+        return last
+
+    # ----- results
+    def _finish(self, step_env, keep_grads: bool) -> StepResult:
+        plan = self.plan
+        owned = {p.name: p.update for p in plan.params if p.update in step_env and p.update in self._made_here}
+        replicas = {r.name: r.value for r in self.spec.replicas if r.chunk % self.p == self.stage}
+        for name in self.params:
+            value = owned.get(next(p.name for p in plan.params if p.name == name)) or replicas.get(name)
+            if value is None:
+                raise RuntimeFailure(f"stage {self.stage} holds parameter {name} but receives no new value for it",
+                                     hint="the plan is corrupt; recompile it")
+            self.params[name] = step_env[value]
+        for s in plan.states:
+            if s.name in self.states:
+                self.states[s.name] = step_env[s.update]
+        loss = self._loss(step_env)
+        grads = self._collect({p.name: (step_env.get(p.grad), self._value_sbp(self.types.get(p.grad), fallback=p))
+                               for p in plan.params if p.grad in self._made_here}) if keep_grads else {}
+        return StepResult(loss=loss, grads=grads or {})
+
+    def _loss(self, step_env) -> float:
+        name = plan_loss = self.plan.stages[0].loss
+        here = name in self._made_here
+        value = torch.zeros(()) if not here else self.gather(step_env[plan_loss], self._value_sbp(self.types[name]))
+        owner = self.topology.rank_of({**self.topology.coords, "pp": self._loss_stage(), **{a: 0 for a in self.topology.sbp_axes}})
+        return float(self.backend.communicator.broadcast(value.detach().reshape(()).to(torch.float64), owner))
+
+    def _loss_stage(self) -> int:
+        name = self.plan.stages[0].loss
+        return next(prog.stage for prog in self.plan.stages for ins in prog.instructions if name in ins.outs) % self.p
+
+    def _collect(self, values: dict[str, tuple]) -> dict[str, torch.Tensor] | None:
+        """Logical tensors of the named values, on rank 0: each stage gathers what it made
+        (a collective within the stage), and stage leads send theirs to rank 0."""
+        local = {n: self.gather(t, nd) for n, (t, nd) in values.items()}
+        lead = all(i == 0 for i in self.coords)
+        parts = self.backend.communicator.gather_objects(local if lead else {}, 0)
+        if parts is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def logical_params(self) -> dict[str, torch.Tensor]:
+        owned = {p.update for p in self.plan.params}
+        mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
+                if p.name in self.params and self._owner_here(p)}
+        del owned
+        return self._collect(mine) or {}
+
+    def logical_weights(self) -> dict[str, torch.Tensor]:
+        mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
+                if p.name in self.params and self._owner_here(p)}
+        first = {b.name: (self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers
+                 if b.name in self.buffers and self._first_holder(b.value)}
+        return self._collect({**mine, **first}) or {}
+
+    def _owner_here(self, p) -> bool:
+        return p.update in self._made_here
+
+    def _first_holder(self, value: str) -> bool:
+        stages = sorted({key[0] % self.p for key, b in self.graph.bodies.items() if value in b.inputs})
+        return bool(stages) and stages[0] == self.stage
+
+
+def _program(instructions: list[Instruction], body: Body, backend: Backend) -> Program:
+    """The generated function of one task, with frees recomputed for the task alone."""
+    kept = set(body.outputs)
+    last: dict[str, int] = {}
+    for k, it in enumerate(body.kernels):
+        for u in it.uses:
+            last[u] = k
+    local = {o for it in body.kernels for o in it.outs} | set(body.inputs) | {it.outs[0] for it in body.recvs + body.reads}
+    dies: dict[int, list[str]] = {}
+    for v, k in last.items():
+        if v in local and v not in kept:
+            dies.setdefault(k, []).append(v)
+    code = [instructions[it.index].model_copy(update={"free": sorted(dies.get(k, []))})
+            for k, it in enumerate(body.kernels)]
+    inputs = body.inputs + [it.outs[0] for it in body.recvs + body.reads]
+    return Program(code, inputs, body.outputs, backend, name=f"chunk{body.chunk}_{body.phase}")
+
+
+def _local_shape(vt, runner: PipelineRunner) -> list[int]:
+    from sbpc.runtime.sbp import local_shape
+    return list(local_shape(vt.shape, runner._nd(vt.sbp), runner.sizes)) if vt.sbp else list(vt.shape)
+
+

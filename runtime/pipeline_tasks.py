@@ -1,0 +1,194 @@
+"""The actors of a pipelined plan: tasks, their data dependencies, and order replay.
+
+A pipelined program is cut into tasks: the instructions of one chunk (virtual stage) with one
+phase. ``pre``, ``fwd`` and ``bwd`` tasks fire once per micro-batch, ``opt`` once a step.
+Two instructions are not kernels:
+
+- ``sbpc.transfer(x, src=a, dst=b)`` on chunk b: ``x`` was made on chunk a; the task that made
+  it sends it when it finishes, this task receives it before it starts. Between chunks on
+  different device stages that is a send/recv between matching ranks; on one device a handoff.
+- ``sbpc.mb_accumulate(x)``: the sum over the step's micro-batches of ``x``. The task that
+  makes ``x`` adds each micro-batch's value into an accumulator; readers get the total, so
+  they depend on every micro-batch's firing of the producer.
+
+The compiler (schedule pass) and the runtime build the same ``TaskGraph`` from the program, so
+the order the compiler proved deadlock-free is the order the runtime executes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from sbpc.errors import PlanError
+
+PHASES = ("pre", "fwd", "bwd", "opt")
+PER_MICROBATCH = frozenset({"pre", "fwd", "bwd"})
+TRANSFER = "sbpc.transfer"
+ACCUMULATE = "sbpc.mb_accumulate"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One instruction as the task graph sees it."""
+    index: int  # position in the chunk's program
+    op: str
+    outs: tuple[str, ...]
+    uses: tuple[str, ...]
+    phase: str
+    chunk: int
+    src: int | None = None  # a transfer's source chunk
+
+
+@dataclass
+class Body:
+    """The instructions of one task and what crosses its boundary."""
+    chunk: int
+    phase: str
+    kernels: list[Item] = field(default_factory=list)  # run in order
+    recvs: list[Item] = field(default_factory=list)  # transfers into this task
+    reads: list[Item] = field(default_factory=list)  # mb_accumulate results it reads
+    inputs: list[str] = field(default_factory=list)  # read here, made elsewhere (not recv/accumulated)
+    outputs: list[str] = field(default_factory=list)  # made here, read elsewhere
+
+
+@dataclass(frozen=True)
+class Send:
+    value: str  # the value on the source chunk
+    dst_chunk: int
+    dst_phase: str
+    out: str  # the transfer's result on the destination chunk
+    tag: int  # one tag per transfer, the same on both ends
+
+
+@dataclass(frozen=True)
+class Task:
+    chunk: int
+    phase: str
+    mb: int | None
+
+
+class TaskGraph:
+    def __init__(self, items: Iterable[Item], step_outputs: Iterable[str], microbatches: int):
+        self.m = microbatches
+        self.bodies: dict[tuple[int, str], Body] = {}
+        self.producer: dict[str, tuple[int, str]] = {}
+        items = list(items)
+        for it in items:
+            body = self.bodies.setdefault((it.chunk, it.phase), Body(it.chunk, it.phase))
+            if it.op == TRANSFER:
+                body.recvs.append(it)
+            elif it.op == ACCUMULATE:
+                body.reads.append(it)
+            else:
+                body.kernels.append(it)
+            for o in it.outs:
+                self.producer[o] = (it.chunk, it.phase)
+        self.accumulated = {it.uses[0] for it in items if it.op == ACCUMULATE}
+        self.sends: dict[tuple[int, str], list[Send]] = {}
+        for tag, it in enumerate(i for i in items if i.op == TRANSFER):
+            src = self.producer.get(it.uses[0])
+            if src is None or src[0] != it.src:
+                raise PlanError(f"transfer %{it.outs[0]} reads %{it.uses[0]}, which chunk {it.src} does not make",
+                                hint="the plan is corrupt; recompile it")
+            self.sends.setdefault(src, []).append(Send(it.uses[0], it.chunk, it.phase, it.outs[0], tag))
+        self._boundaries(set(step_outputs))
+
+    def _boundaries(self, step_outputs: set[str]) -> None:
+        read_elsewhere: dict[str, set] = {}
+        for key, body in self.bodies.items():
+            for it in body.kernels:
+                for u in it.uses:
+                    read_elsewhere.setdefault(u, set()).add(key)
+        for key, body in self.bodies.items():
+            made = {o for it in body.kernels for o in it.outs}
+            given = {it.outs[0] for it in body.recvs + body.reads}
+            body.inputs = list(dict.fromkeys(u for it in body.kernels for u in it.uses if u not in made | given))
+            sent = {s.value for s in self.sends.get(key, [])}
+            body.outputs = [o for it in body.kernels for o in it.outs
+                            if o in step_outputs or o in sent or o in self.accumulated
+                            or read_elsewhere.get(o, set()) - {key}]
+
+    # ----- dependencies of one firing
+    def deps(self, task: Task) -> list[Task]:
+        body = self.bodies.get((task.chunk, task.phase))
+        if body is None:
+            return []
+        out: list[Task] = []
+        for it in body.recvs:
+            out.append(self._firing(self.producer[it.uses[0]], task))
+        for it in body.reads:
+            src = self.producer.get(it.uses[0])
+            if src is not None:
+                out += [Task(src[0], src[1], j) for j in range(self.m)] if src[1] in PER_MICROBATCH else [Task(*src, None)]
+        for v in body.inputs:
+            src = self.producer.get(v)
+            if src is not None and src != (task.chunk, task.phase):
+                out.append(self._firing(src, task))
+        return list(dict.fromkeys(out))
+
+    def _firing(self, src: tuple[int, str], reader: Task) -> Task:
+        if src[1] in PER_MICROBATCH:
+            if reader.mb is None:
+                raise PlanError(f"the once-a-step task {reader.phase} of chunk {reader.chunk} reads a per-micro-batch "
+                                f"value of chunk {src[0]} ({src[1]}) without accumulating it",
+                                hint="the plan is corrupt; recompile it")
+            return Task(src[0], src[1], reader.mb)
+        return Task(src[0], src[1], None)
+
+    def tasks(self) -> list[Task]:
+        """Every firing of a step, in no particular order."""
+        out = []
+        for (chunk, phase) in self.bodies:
+            out += [Task(chunk, phase, j) for j in range(self.m)] if phase in PER_MICROBATCH else [Task(chunk, phase, None)]
+        return out
+
+
+def replay(graph: TaskGraph, order: list[list[Task]], device_of) -> None:
+    """Run the per-device orders with the runtime's semantics (a task starts when everything it
+    reads is done; sends are buffered, receives wait) and raise if the ranks would wait on
+    each other forever, naming the stages, tasks and values of the cycle."""
+    every = set(graph.tasks())
+    listed = [t for dev in order for t in dev]
+    if len(listed) != len(set(listed)) or set(listed) != every:
+        missing = sorted(map(str, every - set(listed)))[:3]
+        raise PlanError(f"the pipeline order does not list every task exactly once (missing: {', '.join(missing) or '-'})",
+                        hint="the plan is corrupt; recompile it")
+    for d, dev in enumerate(order):
+        for t in dev:
+            if device_of(t.chunk) != d:
+                raise PlanError(f"task {fmt(t)} is ordered on stage {d} but its chunk runs on stage {device_of(t.chunk)}")
+    done: set[Task] = set()
+    pos = [0] * len(order)
+    deps = {t: graph.deps(t) for t in every}
+    progress = True
+    while progress:
+        progress = False
+        for d, dev in enumerate(order):
+            while pos[d] < len(dev) and all(x in done for x in deps[dev[pos[d]]]):
+                done.add(dev[pos[d]])
+                pos[d] += 1
+                progress = True
+    if len(done) < len(every):
+        raise PlanError(_cycle_message(graph, order, pos, done, deps, device_of),
+                        hint="this order would hang; use a schedule sbpc derives (1f1b, gpipe, interleaved)")
+
+
+def _cycle_message(graph, order, pos, done, deps, device_of) -> str:
+    waits = {}
+    for d, dev in enumerate(order):
+        if pos[d] < len(dev):
+            t = dev[pos[d]]
+            blocker = next(x for x in deps[t] if x not in done)
+            waits[d] = (t, blocker, device_of(blocker.chunk))
+    d, seen = next(iter(waits)), []
+    while d in waits and d not in seen:
+        seen.append(d)
+        d = waits[d][2]
+    cycle = seen[seen.index(d):] if d in seen else seen
+    parts = [f"stage {s} waits in {fmt(waits[s][0])} for {fmt(waits[s][1])} on stage {waits[s][2]}" for s in cycle]
+    return "pipeline deadlock: " + "; ".join(parts)
+
+
+def fmt(t: Task) -> str:
+    names = {"pre": "P", "fwd": "F", "bwd": "B", "opt": "U"}
+    return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}")
