@@ -84,6 +84,14 @@ def cmd_compile(args) -> int:
     print(f"compiled {args.model} for mesh {args.mesh}: {est.instructions} instructions, "
           f"{est.param_count:,} parameters, capture {t['capture']:.1f}s, total {t['total']:.1f}s -> {args.output} "
           f"({os.path.getsize(args.output) / 1e6:.1f} MB)")
+    if args.trace:
+        if result.plan.pipeline is None:
+            raise UsageError("--trace needs a pipelined plan (a pp axis or --microbatches above 1)",
+                             hint="a one-stage plan is one firing per step; use `sbpc run --trace` for its timeline")
+        from sbpc.compiler.pipeline_report import write_simulated_trace
+
+        sim = write_simulated_trace(result.plan, args.trace)
+        print(f"wrote the simulated timeline ({len(sim.timeline)} firings, bubble {sim.bubble():.3f}) to {args.trace}")
     return 0
 
 
@@ -104,6 +112,11 @@ def cmd_inspect(args) -> int:
 
         print(table(plan))
         print(summary(plan))
+        return 0
+    if args.schedule:
+        from sbpc.compiler.pipeline_report import schedule_text
+
+        print(schedule_text(plan))
         return 0
     if args.ranks:
         for rank in range(plan.world_size):
@@ -184,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a model file into a plan")
     _model_arguments(c)
     c.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    c.add_argument("--trace", metavar="FILE", help="write the pipeline's simulated timeline (unit cost; Chrome/Perfetto JSON)")
     c.set_defaults(fn=cmd_compile)
     i = sub.add_parser("inspect", help="print a plan as text IR")
     i.add_argument("plan")
@@ -191,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ranks", action="store_true", help="print the rank -> mesh coordinate map instead")
     i.add_argument("--html", metavar="FILE", help="write a standalone HTML report of the plan instead")
     i.add_argument("--collectives", action="store_true", help="list the plan's collectives (phase, axis, bytes, op) instead")
+    i.add_argument("--schedule", action="store_true", help="print the pipeline schedule (per-stage firing order, regsts, "
+                                                         "bubble) instead")
     i.set_defaults(fn=cmd_inspect)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)

@@ -46,8 +46,11 @@ class _UnionFind:
 class Layouts:
     """Per-node 1-D signatures for each axis size, and the block count of every (value, dim)."""
 
-    def __init__(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...]):
+    def __init__(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...],
+                 fixed: dict[int, list[NdSignature]] | None = None):
         self.graph, self.rules, self.sizes = graph, rules, sizes
+        # axis -> per-node signature already decided on that axis (the micro-batch axis)
+        self.fixed = fixed or {}
         types = graph.value_types()
         self.types = types
         self.per_size: dict[int, list[list[Signature]]] = {}
@@ -106,8 +109,9 @@ class Layouts:
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
-        per_axis = [list({(r := self.with_strides(n, s)).ins + r.outs: r for s in self.per_size[k][index]}.values())
-                    for k in self.sizes]
+        per_axis = [[_one_axis(self.fixed[a][index], a)] if a in self.fixed else
+                    list({(r := self.with_strides(n, s)).ins + r.outs: r for s in self.per_size[k][index]}.values())
+                    for a, k in enumerate(self.sizes)]
         shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         out = []
         for combo in itertools.product(*per_axis):
@@ -118,3 +122,8 @@ class Layouts:
             if len(out) >= MAX_CANDIDATES:
                 break
         return out
+
+
+def _one_axis(c: NdSignature, a: int) -> Signature:
+    """The 1-D signature an nd-signature has on axis ``a``."""
+    return Signature(tuple(nd[a] for nd in c.ins), tuple(nd[a] for nd in c.outs), c.notes[a])

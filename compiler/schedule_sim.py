@@ -94,6 +94,8 @@ def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: T
     timeline: list[Slice] = []
     now, seq = 0.0, 0
     while any(waiting.values()):
+        _release(running, now, held, has_bwd, p)
+        started = False
         for d in range(p):
             if busy_until[d] > now:
                 continue
@@ -113,17 +115,15 @@ def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: T
                 peak[d] = max(peak[d], held[d])
             heapq.heappush(running, (end, seq, t))
             seq += 1
+            started = True
+        if started:
+            continue  # zero-cost tasks finish at ``now``: let what they unblock start at ``now`` too
         later = [e for e, _, _ in running if e > now]
-        if later:
-            now = min(later)
-        elif any(waiting.values()):
-            # nothing runs and nothing can start: only possible when a zero-cost task just
-            # finished at ``now`` (loop again) or the actor system is stuck
-            if not _progress_possible(waiting, deps, finish, now, held, limits, has_bwd, p):
-                stuck = [f"stage {d}: next {fmt(min(w, key=priority))}" for d, w in waiting.items() if w]
-                raise CompileError("the pipeline's actors cannot all fire: " + "; ".join(stuck),
-                                   hint="a dependency cycle between stages; check the stage assignment")
-        _release(running, now, held, has_bwd, p)
+        if not later:
+            stuck = [f"stage {d}: next {fmt(min(w, key=priority))}" for d, w in waiting.items() if w]
+            raise CompileError("the pipeline's actors cannot all fire: " + "; ".join(stuck),
+                               hint="a dependency cycle between stages; check the stage assignment")
+        now = min(later)
     return Simulation(order, limits, peak, timeline)
 
 
@@ -132,15 +132,6 @@ def _release(running, now, held, has_bwd, p) -> None:
         _, _, t = heapq.heappop(running)
         if t.phase == "bwd" and t.chunk in has_bwd:
             held[t.chunk % p] -= 1
-
-
-def _progress_possible(waiting, deps, finish, now, held, limits, has_bwd, p) -> bool:
-    for d, ts in waiting.items():
-        for t in ts:
-            if all(x in finish and finish[x] <= now for x in deps[t]) and not (
-                    t.phase == "fwd" and t.chunk in has_bwd and held[d] >= limits[d]):
-                return True
-    return False
 
 
 def _priority(schedule: str, p: int, v: int):

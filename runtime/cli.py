@@ -28,9 +28,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a rank waiting longer than this for its peers (rendezvous or a collective) fails, "
                         "and the run ends naming the rank it waited for (default 300)")
+    p.add_argument("--trace", metavar="FILE", help="write the run's timeline (Chrome/Perfetto JSON): a track per rank, "
+                                                   "a slice per actor firing")
 
 
-_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug")
+_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug", "trace")
 
 
 def run_command(args: argparse.Namespace, out=None) -> int:
@@ -88,6 +90,8 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     elapsed = time.perf_counter() - start
     if args.steps and out is not None:
         print(f"{args.steps} steps in {elapsed:.2f}s ({args.steps / elapsed:.2f} steps/s)", file=out, flush=True)
+    if getattr(args, "trace", None):
+        _write_trace(args.trace, runner, backend, out)
     if args.save:
         state = runner.logical_weights()  # every rank takes part in the gathers
         if backend.communicator.rank == 0:
@@ -95,6 +99,22 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
             if out is not None:
                 print(f"saved weights to {args.save}", file=out, flush=True)
     return {"losses": losses, "seconds": elapsed}
+
+
+def _write_trace(path: str, runner, backend, out) -> None:
+    """Rank 0 writes every rank's firings (a gather: every rank calls this)."""
+    from sbpc.runtime.trace import Span, write_trace
+
+    mine = [Span(backend.communicator.rank, f.task, f.start, f.end, f.step) for f in runner.firings]
+    parts = backend.communicator.gather_objects(mine, 0)
+    if parts is None:
+        return
+    origin = min((s.start for part in parts for s in part), default=0.0)
+    spans = [Span(s.track, s.name, s.start - origin, s.end - origin, s.step) for part in parts for s in part]
+    coords = lambda r: ", ".join(f"{k}={v}" for k, v in runner.plan.coords(r).items())
+    write_trace(path, spans, {r: f"rank {r} ({coords(r)})" for r in range(runner.plan.world_size)})
+    if out is not None:
+        print(f"wrote the timeline of {len(spans)} actor firings to {path}", file=out, flush=True)
 
 
 def run_rank(payload: dict) -> dict:

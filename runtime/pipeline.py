@@ -12,8 +12,6 @@ dies, raises a ``RuntimeFailure`` naming the peer rank and the pending transfer.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 
 from sbpc.errors import RuntimeFailure
@@ -21,18 +19,9 @@ from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.pipeline_tasks import PER_MICROBATCH, Body, Item, Task, TaskGraph, fmt
 from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
-from sbpc.runtime.runner import Runner, StepResult
+from sbpc.runtime.runner import Firing, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
 from sbpc.runtime.sharding import take_chunk
-
-
-@dataclass
-class Firing:
-    """One actor firing on this rank, for the timeline."""
-    task: str
-    start: float  # seconds since the step began
-    end: float
-    step: int
 
 
 def instruction_uses(ins: Instruction) -> list[str]:
@@ -96,10 +85,9 @@ class PipelineRunner(Runner):
         acc: dict[str, torch.Tensor] = {}
         local: dict[tuple[str, int | None], torch.Tensor] = {}
         sends = []
-        t0 = time.perf_counter()
         self.backend.microbatches = self.m
         for task in self.order:
-            start = time.perf_counter() - t0
+            start = time.time()
             env = envs[task.mb] if task.mb is not None else step_env
             body = self.graph.bodies[(task.chunk, task.phase)]
             self._receive(task, body, env, local)
@@ -116,7 +104,7 @@ class PipelineRunner(Runner):
             sends += self._send(task, env, local)
             if task.mb is not None and self._last_of_mb.get(task.mb) == task:
                 envs[task.mb] = {}  # the micro-batch's regst is free
-            self.firings.append(Firing(fmt(task), start, time.perf_counter() - t0, self.steps))
+            self.firings.append(Firing(fmt(task), start, time.time(), self.steps))
         for s in sends:
             s.wait()
         self.steps += 1

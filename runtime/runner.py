@@ -13,6 +13,7 @@ in logical form only through ``Runner.gather`` (the loss for reporting, gradient
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,16 @@ from sbpc.runtime.plan import Plan, TensorSpec
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
 from sbpc.runtime.sharding import combine, local_shard
 from sbpc.runtime.weights import init_weights
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One actor firing on this rank, for the timeline (wall-clock seconds, comparable
+    between the processes of one machine)."""
+    task: str  # "F1.3": forward of chunk 1, micro-batch 3; "step" for a one-program plan
+    start: float
+    end: float
+    step: int
 
 
 @dataclass
@@ -53,6 +64,8 @@ class Runner:
         self.grad_sbp = {p.name: self._value_sbp(types.get(p.grad), fallback=p) for p in plan.params}
         self._load(weights, seed, {p.name for p in plan.params}, {b.name for b in plan.buffers},
                    {s.name for s in plan.states})
+        self.firings: list[Firing] = []
+        self.steps = 0
 
     def _bind(self, plan: Plan, backend: Backend) -> None:
         if plan.world_size != backend.communicator.world_size:
@@ -106,7 +119,10 @@ class Runner:
             torch.manual_seed(rng_seed)
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
                *(self._shard(b, spec).to(self.backend.device) for b, spec in zip(batch, self.plan.batch))]
+        start = time.time()
         loss, *rest = self.program.run(env)
+        self.firings.append(Firing("step", start, time.time(), self.steps))
+        self.steps += 1
         n = len(self.plan.params)
         grads = {name: self.gather(g, self.grad_sbp[name]) for name, g in zip(self.params, rest[:n])} if keep_grads else {}
         self.params = dict(zip(self.params, rest[n:2 * n]))

@@ -50,7 +50,12 @@ class SbpPropagate:
         # from their combination. Axes interact only through tensor sizes and nested splits, so
         # the combination is nearly optimal, and one-axis problems are small.
         alone = [self._solve(graph, rules, tuple(k if b == a else 1 for b, k in enumerate(sizes))) for a in busy]
-        solver = _Solver(graph, Layouts(graph, rules, sizes), sizes, self.cost_model)
+        # Micro-batching is data parallelism in time: its one-axis solution (batch split, weight
+        # gradients partial) is final, and the device axes are searched around it. This keeps
+        # every micro-batch collective a reduction, and the joint candidates as few as without it.
+        fixed = {a: [s.cands[i][s.choice[i]] for i in range(len(graph.nodes))]
+                 for a, s in zip(busy, alone) if axes[a] == MICROBATCH}
+        solver = _Solver(graph, Layouts(graph, rules, sizes, fixed), sizes, self.cost_model)
         solver.fix_inputs()
         if not solver.combine(busy, alone):
             solver.greedy()
@@ -200,7 +205,8 @@ class _Solver:
     # ----- search
     def combine(self, busy: list[int], alone: list["_Solver"]) -> bool:
         """Take, for every op, the nd-signature made of what each one-axis solution chose on
-        its axis. False when some op has no such candidate (a combination that does not divide)."""
+        its axis; an op with no such candidate (the combination does not divide) is picked
+        greedily. False when no op combines."""
         picks = []
         for idx in range(len(self.g.nodes)):
             want = [(a, s.cands[idx][s.choice[idx]]) for a, s in zip(busy, alone)]
@@ -209,11 +215,16 @@ class _Solver:
                                  for a, w in want)), None)
             if match is None:
                 match = self._add_combined(idx, want)
-            if match is None:
-                return False
             picks.append(match)
+        if all(ci is None for ci in picks):
+            return False
+        # an op whose one-axis choices do not combine (their nested splits do not divide)
+        # picks greedily among its own candidates, given what its producers chose
         for idx, ci in enumerate(picks):
-            self._set(idx, ci)
+            if ci is None:
+                self._greedy_pick(idx)
+            else:
+                self._set(idx, ci)
         return True
 
     def _add_combined(self, idx: int, want) -> int | None:
@@ -240,19 +251,22 @@ class _Solver:
 
     def greedy(self) -> None:
         for idx in range(len(self.g.nodes)):
-            best, best_key = 0, None
-            for ci, c in enumerate(self.cands[idx]):
-                cost = 0.0
-                for pos, v in enumerate(self.uses[idx]):
-                    have = set(self.req.get(v, {}).values())
-                    if c.ins[pos] != self.sbp[v] and c.ins[pos] not in have:
-                        cost += self.greedy_box(self.sbp[v], c.ins[pos], self.types[v])
-                for j, o in enumerate(self.g.nodes[idx].outputs):
-                    cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
-                key = (round(cost, 12), _partials(c), ci)
-                if best_key is None or key < best_key:
-                    best, best_key = ci, key
-            self._set(idx, best)
+            self._greedy_pick(idx)
+
+    def _greedy_pick(self, idx: int) -> None:
+        best, best_key = 0, None
+        for ci, c in enumerate(self.cands[idx]):
+            cost = 0.0
+            for pos, v in enumerate(self.uses[idx]):
+                have = set(self.req.get(v, {}).values())
+                if c.ins[pos] != self.sbp[v] and c.ins[pos] not in have:
+                    cost += self.greedy_box(self.sbp[v], c.ins[pos], self.types[v])
+            for j, o in enumerate(self.g.nodes[idx].outputs):
+                cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
+            key = (round(cost, 12), _partials(c), ci)
+            if best_key is None or key < best_key:
+                best, best_key = ci, key
+        self._set(idx, best)
 
     def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
         """How the first pass prices a conversion. It cannot see consumers yet, so it is
