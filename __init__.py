@@ -20,3 +20,26 @@ def shard(tensor, **axes):
 
     frame = sys._getframe(1)
     return recorder.shard(tensor, axes, f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}")
+
+
+def stage(index: int):
+    """``with sbpc.stage(1): ...`` puts the forward ops traced inside on pipeline chunk 1.
+
+    Chunks count from 0 to ``pp * virtual_stages - 1``; backward and optimizer ops follow
+    their forward op and parameter, and ops outside every scope are placed by the
+    partitioner. Outside ``sbpc compile`` (and on a mesh without pp) it does nothing, so a
+    model file stays plain PyTorch (fallback: ``contextlib.nullcontext()``).
+    """
+    import contextlib
+
+    from sbpc.compiler.hints import ACTIVE
+
+    recorder = ACTIVE.get()
+    if recorder is None:
+        return contextlib.nullcontext()
+    import sys
+
+    from sbpc.compiler.model_loader import display_path
+
+    frame = sys._getframe(1)
+    return recorder.stage(index, f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}")

@@ -3,12 +3,17 @@
 The model is built and called inside one FakeTensorMode, so a 1T-parameter model traces on a
 laptop. ``make_fx`` records the joint forward + backward graph (autograd runs under the
 tracer); module hooks tag each op with its module path. The optimizer update is appended
-as graph ops, and the recorded init program becomes the graph's ``init`` region.
+as graph ops, and the recorded init program becomes the graph's ``init`` region. On a mesh
+with pp > 1, forward ops that a ``sbpc.stage`` scope or a ``[stages]`` glob names get that
+chunk in ``Node.stage`` (a hint the stage-partition pass completes).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
+import re
+from dataclasses import replace
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -19,9 +24,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.functionalize import functionalize
 from sbpc.compiler.hint_op import hint_op, hint_inputs
-from sbpc.compiler.hints import ACTIVE, HintRecorder, ParallelConfig, format_spec
+from sbpc.compiler.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig, format_spec
 from sbpc.compiler.init_record import InitRecorder
-from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, OutputKind, Ref, rename_uses
+from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, rename_uses
 from sbpc.compiler.aten import is_mutating
 from sbpc.compiler.mesh import Mesh
 from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
@@ -59,6 +64,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     imported = import_fx(gm, [value_name(n) for _, n, _ in entries])
     names = imported.names
     inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
+    if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
+        imported.nodes = _stage_hints(gm, imported.nodes, config)
     nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
@@ -81,6 +88,36 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
+
+
+def _stage_hints(gm: torch.fx.GraphModule, nodes: list[Node], config: ParallelConfig) -> list[Node]:
+    """Forward ops traced inside a ``sbpc.stage`` scope, or run by a module a ``[stages]`` glob
+    names, get that chunk as ``Node.stage``; an in-code scope wins over the config."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for n in nodes:
+        chunk = None
+        if n.role == Role.FORWARD:
+            fx = _fx_producer(by_name, n.outputs)
+            chunk = (fx.meta.get("custom") or {}).get(STAGE_KEY) if fx is not None else None
+            if chunk is None and n.loc is not None:
+                hint = config.stage_hint(n.loc.module)
+                chunk = hint.chunk if hint is not None else None
+        out.append(n if chunk is None else replace(n, stage=chunk))
+    return out
+
+
+def _fx_producer(by_name: dict, outputs: list[str]):
+    """The fx node behind an IR node: its results are named after it, its getitem users, or
+    ``<name>_r<i>`` for results nobody reads (see fx_import)."""
+    for o in outputs:
+        fx = by_name.get(o)
+        if fx is not None:
+            return fx.args[0] if fx.target is operator.getitem else fx
+        m = re.fullmatch(r"(.+)_r\d+", o)
+        if m and m.group(1) in by_name:
+            return by_name[m.group(1)]
+    return None
 
 
 def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:

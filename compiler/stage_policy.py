@@ -1,0 +1,263 @@
+"""Stage policies: where the forward program is cut into pipeline chunks, and what a chunk costs.
+
+The stage-partition pass fixes what hints and data flow dictate; a policy only chooses the
+cuts. It sees the forward ops as *units*: runs of ops of one layer (the module path up to its
+first numbered component, ``h.3`` or ``model.transformer.h.3``) or of one other module. A cut
+therefore falls between transformer blocks or next to the embedding and the head, never
+inside a block, unless there are fewer units than chunks.
+
+``CostBalanced`` (the default) minimises the most expensive chunk, where a chunk costs
+
+    its compute (forward + backward + optimizer ops, each the larger of bytes touched over
+    memory bandwidth and flops over peak; see ``RooflineCost``)
+  + the transfers at its cuts (the activations crossing a cut forward, their gradients back)
+  + ``memory_weight`` x its memory: the activations it saves for backward times the micro-
+    batches it keeps in flight (1F1B: chunk c of C keeps min(C - c, m)), plus its
+    parameters, gradients and optimizer state.
+
+Compute and memory are taken as fractions of the model's totals, so the weight is unitless.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from sbpc.compiler.aten import returns_alias
+from sbpc.compiler.cost_model import AlphaBeta, CostModel
+from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Ref, Role, TensorType
+from sbpc.errors import CompileError
+
+_NUMBERED = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """Seconds an op takes: its memory traffic priced by ``memory`` (any ``CostModel``) or its
+    flops at ``flops_per_s``, whichever is larger; and seconds to move bytes between stages."""
+
+    memory: CostModel = field(default_factory=AlphaBeta)
+    flops_per_s: float = 100e12
+    link_bytes_per_s: float = 10e9
+
+    def op(self, node: Node, types: dict[str, TensorType]) -> float:
+        return max(self.memory.compute(touched_bytes(node, types)), flops(node, types) / self.flops_per_s)
+
+    def transfer(self, nbytes: int) -> float:
+        return nbytes / self.link_bytes_per_s
+
+
+def flops(node: Node, types: dict[str, TensorType]) -> int:
+    """Multiply-adds x 2 of the matmul-like ops; 0 for the rest (they are memory-bound)."""
+    shape = lambda i: types[node.args[i].name].shape if isinstance(node.args[i], Ref) else (1, 1)
+    out = node.types[0].numel if node.types else 0
+    op = node.op
+    if op in ("aten.mm.default", "aten.bmm.default"):
+        return 2 * out * shape(0)[-1]
+    if op in ("aten.addmm.default", "aten.baddbmm.default"):
+        return 2 * out * shape(1)[-1]
+    if op == "sbpc.attention":  # q @ k^T and p @ v
+        return 4 * types[node.args[0].name].numel * shape(1)[-2]
+    if op == "sbpc.attention_backward":  # args: grad_out, q, k, v, ...; about twice the forward
+        return 8 * types[node.args[1].name].numel * shape(2)[-2]
+    return 0
+
+
+def touched_bytes(node: Node, types: dict[str, TensorType]) -> int:
+    if returns_alias(node.op):
+        return 0  # a view moves no data
+    reads = sum(types[u].nbytes for u in node.uses() if u in types)
+    return reads + sum(t.nbytes for t in node.types)
+
+
+def layer_key(module: str) -> str:
+    """``model.h.3.attn.c_proj`` -> ``model.h.3``; a path without a number is its own key."""
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        if _NUMBERED.fullmatch(p):
+            return ".".join(parts[:i + 1])
+    return module
+
+
+def in_flight(chunk: int, num_chunks: int, microbatches: int) -> int:
+    """Micro-batches whose activations chunk ``chunk`` holds at once under 1F1B (interleaved
+    chunks are treated as a pipeline of num_chunks stages)."""
+    return min(num_chunks - chunk, microbatches)
+
+
+@dataclass
+class PartitionProblem:
+    """What a policy chooses from: units of forward ops, in program order."""
+
+    graph: Graph
+    num_chunks: int
+    microbatches: int
+    units: list[list[int]]  # indices into graph.nodes
+    lo: list[int]  # per unit: the chunks hints and data flow allow; both non-decreasing
+    hi: list[int]
+    group: list[int | None]  # per node: the unit whose cost it counts in (None: bwd/opt, attributed)
+
+
+class StagePolicy(Protocol):
+    def __call__(self, problem: PartitionProblem) -> list[int]:
+        """One chunk per unit, non-decreasing, unit u in [problem.lo[u], problem.hi[u]]."""
+
+
+def single_stage(problem: PartitionProblem) -> list[int]:
+    if problem.num_chunks != 1:
+        raise CompileError(f"the single_stage policy cannot fill {problem.num_chunks} pipeline chunks",
+                           hint="use the default CostBalanced policy")
+    return [0] * len(problem.units)
+
+
+@dataclass(frozen=True)
+class CostBalanced:
+    cost: RooflineCost = field(default_factory=RooflineCost)
+    memory_weight: float = 0.25  # memory matters, but throughput is set by the slowest chunk
+
+    def __call__(self, problem: PartitionProblem) -> list[int]:
+        """Exact: a dynamic program over (chunk, units covered) minimising the most expensive
+        chunk, then the sum of squared chunk costs (so the other chunks are even too)."""
+        n, chunks = len(problem.units), problem.num_chunks
+        prof = profile(problem.graph, problem.group, n, self.cost)
+        T, S, W = (np.concatenate([[0.0], np.cumsum(x, dtype=float)]) for x in (prof.compute, prof.saved, prof.static))
+        t_tot, m_tot = max(T[-1], 1e-30), max(S[-1] + W[-1], 1.0)
+        comm = np.array([2 * self.cost.transfer(x) / t_tot for x in prof.crossing])  # activations on, gradients back
+        lo, hi = np.array(problem.lo), np.array(problem.hi)
+        # best[e]: the smallest max chunk cost covering units [0, e) with the chunks so far
+        best, sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+        best[0] = sq[0] = 0.0
+        choice = np.zeros((chunks, n + 1), dtype=int)
+        for k in range(chunks):
+            m = in_flight(k, chunks, problem.microbatches)
+            new_best, new_sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+            for e in range(n + 1):
+                j = np.arange(e + 1)  # chunk k holds units [j, e)
+                cost = ((T[e] - T[j]) / t_tot + comm[j] + comm[e]
+                        + self.memory_weight * (m * (S[e] - S[j]) + W[e] - W[j]) / m_tot)
+                if e > 0:  # bounds are monotone: the first unit has the least hi, the last the most lo
+                    cost[:e][(hi[:e] < k) | (lo[e - 1] > k)] = np.inf
+                cost[e] = _EMPTY  # an empty chunk, only where nothing else fits
+                worst = np.maximum(best[j], cost)
+                if not np.isfinite(worst.min()):
+                    continue
+                ties = worst <= worst.min() * (1 + 1e-9)
+                pick = int(np.argmin(np.where(ties, sq[j] + cost ** 2, np.inf)))
+                new_best[e], new_sq[e], choice[k, e] = worst[pick], sq[pick] + cost[pick] ** 2, pick
+            best, sq = new_best, new_sq
+        if not np.isfinite(best[n]):
+            raise CompileError("no partition satisfies the stage hints")  # unreachable: the bounds are monotone
+        out, e = [0] * n, n
+        for k in reversed(range(chunks)):
+            j = choice[k, e]
+            out[j:e] = [k] * (e - j)
+            e = j
+        return out
+
+
+_EMPTY = 1e6  # cost of a chunk without units: far above any real one (costs are fractions of the total)
+
+
+@dataclass
+class Profile:
+    compute: list[float]  # s per group: its forward, backward and optimizer ops
+    saved: list[int]  # bytes of its forward results that backward reads (one micro-batch)
+    static: list[int]  # bytes of the parameters, gradients and optimizer state it owns
+    crossing: list[int]  # [b]: bytes made by forward ops before group b and read at or after it
+    ops: list[list[int]]  # forward, backward, optimizer op counts
+
+
+def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -> Profile:
+    """Costs per group of a node -> group map. Backward ops without a group count with the
+    forward ops of their source line; optimizer ops with their parameter's first reader."""
+    nodes, types = graph.nodes, graph.value_types()
+    group = list(group)
+    by_loc: dict = {}
+    for i, nd in enumerate(nodes):
+        if nd.role == Role.FORWARD and group[i] is not None and nd.loc is not None:
+            by_loc[nd.loc] = max(by_loc.get(nd.loc, 0), group[i])
+    for i, nd in enumerate(nodes):
+        if group[i] is None and nd.role == Role.BACKWARD:
+            group[i] = by_loc.get(nd.loc)
+    first = first_readers(graph, group)
+    for i, owned in optimizer_owners(graph).items():
+        if group[i] is None and owned:
+            group[i] = min(first.get(p, 0) for p in owned)
+    prof = Profile([0.0] * n, [0] * n, [0] * n, [0] * (n + 1), [[0, 0, 0] for _ in range(n)])
+    kind = {Role.FORWARD: 0, Role.BACKWARD: 1, Role.OPTIMIZER: 2}
+    made_in: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    read_by_bwd: set[str] = set()
+    for i, nd in enumerate(nodes):
+        g = group[i]
+        for u in nd.uses():
+            if nd.role == Role.BACKWARD:
+                read_by_bwd.add(u)
+            elif nd.role == Role.FORWARD and g is not None and u in made_in:
+                last_read[u] = max(last_read.get(u, g), g)
+        if g is None:
+            continue
+        prof.compute[g] += cost.op(nd, types)
+        prof.ops[g][kind.get(nd.role, 2)] += 1
+        if nd.role == Role.FORWARD:
+            made_in.update((o, g) for o in nd.outputs)
+    for v, g in made_in.items():
+        if v in read_by_bwd:
+            prof.saved[g] += types[v].nbytes
+        if last_read.get(v, g) > g:  # crosses every cut between its maker and its last reader
+            prof.crossing[g + 1] += types[v].nbytes
+            if last_read[v] + 1 <= n:
+                prof.crossing[last_read[v] + 1] -= types[v].nbytes
+    for b in range(1, n + 1):
+        prof.crossing[b] += prof.crossing[b - 1]
+    prof.crossing[n] = 0
+    states: dict[str, int] = defaultdict(int)  # param name -> bytes of its optimizer state
+    for i in graph.inputs_of(InputKind.STATE):
+        states[i.name.partition(":")[2]] += i.type.nbytes
+    for p in graph.inputs_of(InputKind.PARAM):
+        if p.value in first:
+            prof.static[first[p.value]] += 2 * p.type.nbytes + states.get(p.name, 0)
+    return prof
+
+
+def first_readers(graph: Graph, group: list[int | None]) -> dict[str, int]:
+    """Param value -> group of its first forward reader (else first backward reader)."""
+    params = {i.value for i in graph.inputs_of(InputKind.PARAM)}
+    out: dict[str, int] = {}
+    for role in (Role.FORWARD, Role.BACKWARD):
+        for i, nd in enumerate(graph.nodes):
+            if nd.role == role and group[i] is not None:
+                for u in nd.uses():
+                    if u in params:
+                        out.setdefault(u, group[i])
+    return out
+
+
+def optimizer_owners(graph: Graph) -> dict[int, set[str]]:
+    """Optimizer node index -> the param values whose update it computes: it reads the param,
+    its gradient or its state, or an optimizer result that does. Empty: shared (the step)."""
+    param_of = {i.name: i.value for i in graph.inputs_of(InputKind.PARAM)}
+    direct = {i.value: i.value for i in graph.inputs_of(InputKind.PARAM)}
+    for i in graph.inputs_of(InputKind.STATE):
+        fqn = i.name.partition(":")[2]
+        if fqn in param_of:
+            direct[i.value] = param_of[fqn]
+    for o in graph.outputs_of(OutputKind.GRAD):
+        if o.name in param_of:
+            direct[o.value] = param_of[o.name]
+    owned_value: dict[str, set[str]] = {}
+    out: dict[int, set[str]] = {}
+    for i, nd in enumerate(graph.nodes):
+        if nd.role != Role.OPTIMIZER:
+            continue
+        owned: set[str] = set()
+        for u in nd.uses():
+            if u in direct:
+                owned.add(direct[u])
+            owned |= owned_value.get(u, set())
+        out[i] = owned
+        owned_value.update((o, owned) for o in nd.outputs)
+    return out
