@@ -9,3 +9,4 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" bench/run_vs_eager.py
 "$PY" bench/dp_vs_ddp.py
 "$PY" bench/tp_vs_dtensor.py
+"$PY" bench/pp_vs_pipelining.py
