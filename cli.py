@@ -15,7 +15,8 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default="1", help="device mesh: 4x8x4 (dp x tp x pp) or dp=2,tp=2 (default 1)")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                    help="keyword argument for build_model and example_batch (repeatable)")
-    p.add_argument("--batch-size", type=int, default=4, help="global batch size (default 4)")
+    p.add_argument("--batch-size", type=int, help="global batch size (default 4, or dp x micro-batches when 4 "
+                                                    "does not divide over them)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -38,8 +39,6 @@ def _compile(args: argparse.Namespace):
     from sbpc.compiler.optim import OptimizerConfig
     from sbpc.compiler.pass_manager import CompileContext
 
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
     mesh = parse_mesh(args.mesh)
     source = load_model(args.model, parse_sets(args.sets))
     optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum)
@@ -47,6 +46,11 @@ def _compile(args: argparse.Namespace):
                          dump_dir=args.dump_dir)
     config = load_config(args.config) if args.config else None
     pipeline = pipeline_options(args, mesh, config)
+    if args.batch_size is None:
+        rows = mesh.size("dp") * pipeline.microbatches
+        args.batch_size = 4 if 4 % rows == 0 else rows
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
     result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
                            pipeline=pipeline)
     return result, source, optimizer
@@ -59,9 +63,11 @@ def pipeline_options(args, mesh, config):
     table = config.pipeline if config is not None else None
     pick = lambda flag, key: flag if flag is not None else getattr(table, key, None)
     schedule = pick(args.schedule, "schedule") or "1f1b"
-    virtual = pick(args.virtual_stages, "virtual_stages") or (2 if schedule == "interleaved" else 1)
+    virtual = pick(args.virtual_stages, "virtual_stages")
+    virtual = virtual if virtual is not None else (2 if schedule == "interleaved" else 1)
     pp = mesh.size("pp")
-    m = pick(args.microbatches, "microbatches") or pp
+    m = pick(args.microbatches, "microbatches")
+    m = m if m is not None else pp
     if m < 1:
         raise UsageError(f"--microbatches {m} must be at least 1")
     if virtual < 1:

@@ -34,6 +34,6 @@ def schedule_text(plan: Plan) -> str:
     for d, order in enumerate(spec.order):
         held = sim.peak_in_flight[d]
         lines.append(f"stage {d}: regsts {spec.in_flight[d]}, peak in flight {held}: "
-                     + " ".join(fmt(Task(t.chunk, t.phase, t.mb)) for t in order))
-    lines.append("// Pc.j pre, Fc.j forward, Bc.j backward of chunk c, micro-batch j; Uc the once-a-step update")
+                     + " ".join(fmt(Task(t.chunk, t.phase, t.mb, t.part)) for t in order))
+    lines.append("// Pc.j pre, Fc.j forward, Bc.j backward of chunk c, micro-batch j; Uc/k part k of its once-a-step update")
     return "\n".join(lines)

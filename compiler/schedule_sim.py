@@ -10,8 +10,9 @@ schedule        regsts of a device (micro-batches in flight)  when several actor
 ==============  ============================================  =========================
 ``gpipe``       m * v                                         forward first
 ``1f1b``        min(p - s, m)                                 backward first
-``interleaved`` min(2 (p - s - 1) + (v - 1) p + 1, m * v)     backward first; forwards in
-                                                              Megatron's chunk-major groups
+``interleaved`` min(2 (p - s - 1) + (v - 1) p + 1, m * v)     Megatron's order: forwards in
+                                                              groups of p micro-batches per
+                                                              chunk, then 1F1B in turn
 ==============  ============================================  =========================
 
 Durations come from a ``TaskCost`` (a policy; unit cost by default: forward 1, backward 2,
@@ -82,6 +83,8 @@ def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: T
     p, m = stages, graph.m
     limits = [regsts(schedule, s, p, m, virtual) for s in range(p)]
     deps = {t: graph.deps(t) for t in graph.tasks()}
+    if schedule == "interleaved":
+        return _timed(_interleaved_order(deps, p, m, virtual, limits), deps, cost, limits)
     waiting = {d: [t for t in deps if t.chunk % p == d] for d in range(p)}
     priority = _priority(schedule, p, virtual)
     finish: dict[Task, float] = {}
@@ -127,6 +130,59 @@ def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: T
     return Simulation(order, limits, peak, timeline)
 
 
+def _interleaved_order(deps, p: int, m: int, v: int, limits: list[int]) -> list[list[Task]]:
+    """Megatron's interleaved 1F1B: forwards in groups of p micro-batches, chunk by chunk;
+    backwards the same with the chunks reversed; a warmup of (regsts - 1) forwards, then one
+    forward and one backward in turn, then the remaining backwards."""
+    order = []
+    for d in range(p):
+        tasks = [t for t in deps if t.chunk % p == d]
+        groups = range(0, m, p)
+        fwd = [Task(k * p + d, "fwd", j) for g in groups for k in range(v) for j in range(g, min(g + p, m))]
+        bwd = [Task(k * p + d, "bwd", j) for g in groups for k in reversed(range(v)) for j in range(g, min(g + p, m))]
+        fwd, bwd = [t for t in fwd if t in deps], [t for t in bwd if t in deps]
+        warm = min(limits[d] - 1, len(fwd))
+        seq = fwd[:warm]
+        for i in range(len(fwd) - warm):
+            seq += [fwd[warm + i], bwd[i]]
+        seq += bwd[len(fwd) - warm:]
+        pre = sorted((t for t in tasks if t.phase == "pre"), key=lambda t: (t.mb, t.chunk))
+        opt = sorted((t for t in tasks if t.phase == "opt"), key=lambda t: (t.part, t.chunk))
+        order.append(pre + seq + opt)
+    return order
+
+
+def _timed(order: list[list[Task]], deps, cost: TaskCost, limits: list[int]) -> Simulation:
+    """The timeline of a fixed per-device order: each task starts when its device is free and
+    what it reads is done."""
+    finish: dict[Task, float] = {}
+    free = [0.0] * len(order)
+    pos = [0] * len(order)
+    timeline: list[Slice] = []
+    while any(pos[d] < len(o) for d, o in enumerate(order)):
+        moved = False
+        for d, o in enumerate(order):
+            while pos[d] < len(o) and all(x in finish for x in deps[o[pos[d]]]):
+                t = o[pos[d]]
+                start = max([free[d]] + [finish[x] for x in deps[t]])
+                finish[t] = free[d] = start + cost(t)
+                timeline.append(Slice(t, d, start, finish[t]))
+                pos[d] += 1
+                moved = True
+        if not moved:
+            stuck = [f"stage {d}: next {fmt(o[pos[d]])}" for d, o in enumerate(order) if pos[d] < len(o)]
+            raise CompileError("the pipeline's actors cannot all fire: " + "; ".join(stuck),
+                               hint="a dependency cycle between stages; check the stage assignment")
+    peak = []
+    for o in order:
+        held = top = 0
+        for t in o:
+            held += (t.phase == "fwd") - (t.phase == "bwd")
+            top = max(top, held)
+        peak.append(top)
+    return Simulation(order, limits, peak, timeline)
+
+
 def _release(running, now, held, has_bwd, p) -> None:
     while running and running[0][0] <= now:
         _, _, t = heapq.heappop(running)
@@ -139,13 +195,9 @@ def _priority(schedule: str, p: int, v: int):
 
     def key(t: Task):
         j = t.mb if t.mb is not None else 0
-        local = t.chunk // p  # which of the device's chunks
         if t.phase in phase_rank:
-            return (phase_rank[t.phase], j, t.chunk)
+            return (phase_rank[t.phase], t.part, j, t.chunk)
         first = 1 if (t.phase == "fwd") == (schedule == "gpipe") else 2
-        if schedule == "interleaved":
-            k = local if t.phase == "fwd" else v - 1 - local
-            return (first, j // p, k, j % p)
         return (first, j, -t.chunk if t.phase == "bwd" else t.chunk)
 
     return key

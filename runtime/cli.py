@@ -47,6 +47,10 @@ def run_command(args: argparse.Namespace, out=None) -> int:
     if getattr(args, "timeout", 300.0) <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be positive", hint="pass the seconds a rank may wait, e.g. --timeout 300")
     plan = load_plan(args.plan)
+    if plan.pipeline is not None:
+        from sbpc.runtime.pipeline import check_order
+
+        check_order(plan)
     if args.weights:
         from sbpc.runtime.weights import check_weights_path
 

@@ -17,7 +17,7 @@ import torch
 from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
-from sbpc.runtime.pipeline_tasks import PER_MICROBATCH, Body, Item, Task, TaskGraph, fmt
+from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
 from sbpc.runtime.runner import Firing, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
@@ -48,6 +48,15 @@ def plan_task_graph(plan: Plan) -> TaskGraph:
     return TaskGraph(items, outs, plan.pipeline.microbatches)
 
 
+def check_order(plan: Plan, graph: TaskGraph | None = None) -> list[list[Task]]:
+    """The plan's per-stage orders, replayed first: the compiler proved them, and an edited
+    plan must fail here, in one line, not by hanging the ranks."""
+    graph = graph or plan_task_graph(plan)
+    orders = [[Task(t.chunk, t.phase, t.mb, t.part) for t in dev] for dev in plan.pipeline.order]
+    replay(graph, orders, lambda c: c % plan.pipeline.stages)
+    return orders
+
+
 class PipelineRunner(Runner):
     def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
         self._bind(plan, backend)
@@ -55,9 +64,9 @@ class PipelineRunner(Runner):
         self.spec, self.m, self.p = spec, spec.microbatches, spec.stages
         self.stage = self.topology.index("pp")
         self.graph = plan_task_graph(plan)
-        self.order = [Task(t.chunk, t.phase, t.mb) for t in spec.order[self.stage]]
+        self.order = check_order(plan, self.graph)[self.stage]
         programs = {prog.stage: prog for prog in plan.stages}
-        self.programs: dict[tuple[int, str], Program] = {}
+        self.programs: dict[tuple[int, str, int], Program] = {}
         for key, body in self.graph.bodies.items():
             if key[0] % self.p == self.stage:
                 self.programs[key] = _program(programs[key[0]].instructions, body, backend)
@@ -89,14 +98,14 @@ class PipelineRunner(Runner):
         for task in self.order:
             start = time.time()
             env = envs[task.mb] if task.mb is not None else step_env
-            body = self.graph.bodies[(task.chunk, task.phase)]
+            body = self.graph.bodies[task.key]
             self._receive(task, body, env, local)
             for it in body.reads:
                 env[it.outs[0]] = acc[it.uses[0]]
             self.backend.microbatch = task.mb or 0
-            values = [env[v] if v in env else step_env[v] for v in body.inputs]
+            values = [env[v] if v in env else step_env[v] if v in step_env else envs[0][v] for v in body.inputs]
             values += [env[it.outs[0]] for it in body.recvs + body.reads]
-            outs = self.programs[(task.chunk, task.phase)].run(values)
+            outs = self.programs[task.key].run(values)
             env.update(zip(body.outputs, outs))
             for v, t in zip(body.outputs, outs):
                 if v in self.graph.accumulated:
@@ -108,6 +117,8 @@ class PipelineRunner(Runner):
         for s in sends:
             s.wait()
         self.steps += 1
+        if self.m == 1:  # the loss and gradients were never accumulated: they are the micro-batch's
+            step_env = {**envs[0], **step_env}
         return self._finish(step_env, keep_grads)
 
     def _microbatch(self, batch, j: int) -> dict[str, torch.Tensor]:
@@ -137,7 +148,7 @@ class PipelineRunner(Runner):
 
     def _send(self, task: Task, env, local) -> list:
         pending = []
-        for s in self.graph.sends.get((task.chunk, task.phase), []):
+        for s in self.graph.sends.get(task.key, []):
             if s.dst_chunk % self.p == self.stage:
                 local[(s.out, task.mb)] = env[s.value]
                 continue
@@ -155,7 +166,7 @@ class PipelineRunner(Runner):
         for t in self.order:
             if t.mb is not None:
                 last[t.mb] = t
-        return last
+        return last if self.m > 1 else {}  # one micro-batch: the update reads its values
 
     # ----- results
     def _finish(self, step_env, keep_grads: bool) -> StepResult:
@@ -237,7 +248,7 @@ def _program(instructions: list[Instruction], body: Body, backend: Backend) -> P
     code = [instructions[it.index].model_copy(update={"free": sorted(dies.get(k, []))})
             for k, it in enumerate(body.kernels)]
     inputs = body.inputs + [it.outs[0] for it in body.recvs + body.reads]
-    return Program(code, inputs, body.outputs, backend, name=f"chunk{body.chunk}_{body.phase}")
+    return Program(code, inputs, body.outputs, backend, name=f"chunk{body.chunk}_{body.phase}{body.part}")
 
 
 def _local_shape(vt, runner: PipelineRunner) -> list[int]:

@@ -11,6 +11,11 @@ Two instructions are not kernels:
   makes ``x`` adds each micro-batch's value into an accumulator; readers get the total, so
   they depend on every micro-batch's firing of the producer.
 
+The once-a-step phase is cut into parts by transfers: an ``opt`` instruction that reads a value
+received from another chunk's ``opt`` phase runs in a later part than what sent it. Two stages
+may then both send and receive updates (a tied weight, a shared step counter) without their
+update actors waiting on each other.
+
 The compiler (schedule pass) and the runtime build the same ``TaskGraph`` from the program, so
 the order the compiler proved deadlock-free is the order the runtime executes.
 """
@@ -38,12 +43,17 @@ class Item:
     chunk: int
     src: int | None = None  # a transfer's source chunk
 
+    @property
+    def index_key(self) -> tuple[int, int]:
+        return (self.chunk, self.index)
+
 
 @dataclass
 class Body:
     """The instructions of one task and what crosses its boundary."""
     chunk: int
     phase: str
+    part: int = 0  # of the once-a-step phase
     kernels: list[Item] = field(default_factory=list)  # run in order
     recvs: list[Item] = field(default_factory=list)  # transfers into this task
     reads: list[Item] = field(default_factory=list)  # mb_accumulate results it reads
@@ -65,16 +75,23 @@ class Task:
     chunk: int
     phase: str
     mb: int | None
+    part: int = 0
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return (self.chunk, self.phase, self.part)
 
 
 class TaskGraph:
     def __init__(self, items: Iterable[Item], step_outputs: Iterable[str], microbatches: int):
         self.m = microbatches
-        self.bodies: dict[tuple[int, str], Body] = {}
-        self.producer: dict[str, tuple[int, str]] = {}
+        self.bodies: dict[tuple[int, str, int], Body] = {}
+        self.producer: dict[str, tuple[int, str, int]] = {}
         items = list(items)
+        parts = _opt_parts(items)
         for it in items:
-            body = self.bodies.setdefault((it.chunk, it.phase), Body(it.chunk, it.phase))
+            key = (it.chunk, it.phase, parts.get(it.index_key, 0))
+            body = self.bodies.setdefault(key, Body(*key))
             if it.op == TRANSFER:
                 body.recvs.append(it)
             elif it.op == ACCUMULATE:
@@ -82,9 +99,9 @@ class TaskGraph:
             else:
                 body.kernels.append(it)
             for o in it.outs:
-                self.producer[o] = (it.chunk, it.phase)
+                self.producer[o] = key
         self.accumulated = {it.uses[0] for it in items if it.op == ACCUMULATE}
-        self.sends: dict[tuple[int, str], list[Send]] = {}
+        self.sends: dict[tuple[int, str, int], list[Send]] = {}
         for tag, it in enumerate(i for i in items if i.op == TRANSFER):
             src = self.producer.get(it.uses[0])
             if src is None or src[0] != it.src:
@@ -110,7 +127,7 @@ class TaskGraph:
 
     # ----- dependencies of one firing
     def deps(self, task: Task) -> list[Task]:
-        body = self.bodies.get((task.chunk, task.phase))
+        body = self.bodies.get(task.key)
         if body is None:
             return []
         out: list[Task] = []
@@ -119,27 +136,31 @@ class TaskGraph:
         for it in body.reads:
             src = self.producer.get(it.uses[0])
             if src is not None:
-                out += [Task(src[0], src[1], j) for j in range(self.m)] if src[1] in PER_MICROBATCH else [Task(*src, None)]
+                out += [Task(src[0], src[1], j, src[2]) for j in range(self.m)] if src[1] in PER_MICROBATCH \
+                    else [Task(src[0], src[1], None, src[2])]
         for v in body.inputs:
             src = self.producer.get(v)
-            if src is not None and src != (task.chunk, task.phase):
+            if src is not None and src != task.key:
                 out.append(self._firing(src, task))
         return list(dict.fromkeys(out))
 
-    def _firing(self, src: tuple[int, str], reader: Task) -> Task:
+    def _firing(self, src: tuple[int, str, int], reader: Task) -> Task:
         if src[1] in PER_MICROBATCH:
+            if reader.mb is None and self.m == 1:  # one micro-batch: its values are the step's
+                return Task(src[0], src[1], 0, src[2])
             if reader.mb is None:
                 raise PlanError(f"the once-a-step task {reader.phase} of chunk {reader.chunk} reads a per-micro-batch "
                                 f"value of chunk {src[0]} ({src[1]}) without accumulating it",
                                 hint="the plan is corrupt; recompile it")
-            return Task(src[0], src[1], reader.mb)
-        return Task(src[0], src[1], None)
+            return Task(src[0], src[1], reader.mb, src[2])
+        return Task(src[0], src[1], None, src[2])
 
     def tasks(self) -> list[Task]:
         """Every firing of a step, in no particular order."""
         out = []
-        for (chunk, phase) in self.bodies:
-            out += [Task(chunk, phase, j) for j in range(self.m)] if phase in PER_MICROBATCH else [Task(chunk, phase, None)]
+        for (chunk, phase, part) in self.bodies:
+            out += [Task(chunk, phase, j) for j in range(self.m)] if phase in PER_MICROBATCH \
+                else [Task(chunk, phase, None, part)]
         return out
 
 
@@ -191,4 +212,23 @@ def _cycle_message(graph, order, pos, done, deps, device_of) -> str:
 
 def fmt(t: Task) -> str:
     names = {"pre": "P", "fwd": "F", "bwd": "B", "opt": "U"}
-    return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}")
+    return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}") + (f"/{t.part}" if t.part else "")
+
+
+def _opt_parts(items: list[Item]) -> dict[tuple[int, int], int]:
+    """The part of every ``opt`` instruction: one more than the part of what a transfer into
+    it carries, else the largest part among the same chunk's ``opt`` values it reads."""
+    producer = {o: it for it in items for o in it.outs}
+    part: dict[tuple[int, int], int] = {}
+    changed = True
+    while changed:  # a fixed point; rounds = the longest chain of opt-phase transfers + 1
+        changed = False
+        for it in items:
+            if it.phase != "opt":
+                continue
+            srcs = [producer[u] for u in it.uses if u in producer and producer[u].phase == "opt"]
+            want = max((part.get(p.index_key, 0) for p in srcs), default=0) + (1 if it.op == TRANSFER and srcs else 0)
+            if part.get(it.index_key, 0) != want:
+                part[it.index_key] = want
+                changed = True
+    return part

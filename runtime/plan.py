@@ -112,10 +112,7 @@ class TaskRef(_Model):
     chunk: int
     phase: Literal["pre", "fwd", "bwd", "opt"]
     mb: int | None = None
-
-    def __str__(self) -> str:
-        names = {"pre": "P", "fwd": "F", "bwd": "B", "opt": "U"}
-        return f"{names[self.phase]}{self.chunk}" + ("" if self.mb is None else f".{self.mb}")
+    part: int = 0  # of the once-a-step phase (see runtime.pipeline_tasks)
 
 
 class ReplicaUpdate(_Model):

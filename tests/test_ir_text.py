@@ -260,7 +260,7 @@ def test_error_unterminated_list():
 
 def test_error_unknown_role():
     parse_error(edit("role=bwd", "role=back"), r"^model\.ir:8:63: unknown role 'back'$",
-                r"^ {66}\^$", r"hint: role is one of fwd, bwd, opt, init")
+                r"^ {66}\^$", r"hint: role is one of pre, fwd, bwd, opt, init")
 
 
 def test_error_unknown_kinds():

@@ -47,6 +47,7 @@ def test_valid_graph_verifies():
     (OK_BODY.replace("output loss %l", "output loss %zz"), r"graph output loss 'loss' uses undefined value %zz"),
     ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, stage=0}
   %l = aten.sum.default(%y) : f32[] {role=fwd}
+  %g = aten.ones_like.default(%l) : f32[] {role=bwd, stage=0}
   output loss %l "loss\"""", r"aten\.sum\.default has no stage while other ops do"),
     ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, sbp=[[S(2)]]}
   %l = aten.sum.default(%y) : f32[] {role=fwd}
@@ -80,7 +81,7 @@ def test_print_after_and_dump_dir(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-stage-partition.sbpir", "06-sbp-propagate.sbpir", "07-boxing.sbpir", "08-coalesce.sbpir",
-                     "09-localize.sbpir", "10-memory-plan.sbpir"]
+                     "09-localize.sbpir", "10-schedule.sbpir", "11-memory-plan.sbpir"]
     assert "stage=0" in (tmp_path / "05-stage-partition.sbpir").read_text()
 
 

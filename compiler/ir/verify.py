@@ -8,7 +8,7 @@ inside the tensor's rank.
 from __future__ import annotations
 
 from sbpc.compiler.aten import is_mutating
-from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind
+from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
 from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
 
@@ -66,8 +66,11 @@ def _verify_signature(graph: Graph, where: str) -> None:
 
 
 def _verify_annotations(graph: Graph, where: str) -> None:
+    # Before stage-partition only hinted forward ops carry a stage; once a backward or
+    # optimizer op has one, the partition has run and every op must have one.
     placed = [n.stage is not None for n in graph.nodes]
-    if any(placed) and not all(placed):
+    partitioned = any(p and n.role != Role.FORWARD for p, n in zip(placed, graph.nodes))
+    if partitioned and not all(placed):
         n = graph.nodes[placed.index(False)]
         raise IRError(f"{n.op} has no stage while other ops do{where}", location=_loc(n))
     naxes = len(graph.mesh.sbp_axes)

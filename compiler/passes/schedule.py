@@ -58,7 +58,8 @@ class Schedule:
             raise CompileError(err.message, hint=err.hint) from None
         spec = PipelineSpec(
             schedule=self.schedule, microbatches=m, stages=pp, virtual_stages=self.virtual_stages,
-            in_flight=sim.in_flight, order=[[TaskRef(chunk=t.chunk, phase=t.phase, mb=t.mb) for t in dev] for dev in sim.order],
+            in_flight=sim.in_flight, order=[[TaskRef(chunk=t.chunk, phase=t.phase, mb=t.mb, part=t.part) for t in dev]
+                                            for dev in sim.order],
             replicas=_replicas(graph), bubble=round(sim.bubble(), 6))
         return replace(graph, schedule=spec)
 
@@ -91,7 +92,8 @@ class _Cutter:
 
     def run(self) -> Graph:
         nodes = self._phases(list(self.g.nodes))
-        nodes = self._step_values_for_optimizer(nodes)
+        if self.mb is not None:  # one micro-batch: the update reads its values as they are
+            nodes = self._step_values_for_optimizer(nodes)
         nodes, outputs = self._accumulate_outputs(nodes)
         nodes = self._transfers(nodes)
         nodes, outputs = self._replica_updates(nodes, outputs)
