@@ -9,7 +9,7 @@ from sbpc.runtime import plan as P
 from sbpc.compiler.ir.types import TensorType
 from sbpc.runtime.sbp import parse_nd_sbp
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # ops that move data between devices
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "transfer")  # ops that move data between devices
 LOCAL = ("shard_slice", "keep_first")  # boxing that stays on the device
 
 
@@ -44,7 +44,8 @@ def collectives(plan: P.Plan) -> list[Collective]:
             t = ins.types[j]
             src = parse_nd_sbp(ins.sbp_in[j]) if ins.sbp_in else parse_nd_sbp(t.sbp)
             nbytes = TensorType(tuple(t.shape), t.dtype).local_nbytes(src, sizes)
-            out.append(Collective(kind, str(ins.kwargs.get("axis")), ins.role, ins.loc.module if ins.loc else "",
+            axis = "pp" if kind == "transfer" else str(ins.kwargs.get("axis"))  # a send/recv between stages
+            out.append(Collective(kind, axis, ins.role, ins.loc.module if ins.loc else "",
                                   str(ins.loc) if ins.loc else "", value, nbytes, call))
     return out
 
@@ -53,12 +54,21 @@ def summary(plan: P.Plan) -> str:
     cs = [c for c in collectives(plan) if c.moves_data]
     if not cs:
         return "// no collectives: every op runs on its own shard"
-    calls = len({c.call for c in cs})
-    fused = f" ({len(cs)} tensors)" if calls != len(cs) else ""
-    lines = [f"// {calls} collective calls per step{fused}, {sum(c.nbytes for c in cs) / 2**20:.2f} MiB in:"]
+    # a pipelined plan runs its pre/fwd/bwd collectives once per micro-batch
+    m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    times = lambda c: m if c.role in ("pre", "fwd", "bwd") else 1
+    first = {}
+    for c in cs:
+        first.setdefault(c.call, c)
+    calls = sum(times(c) for c in first.values())
+    fused = f" ({sum(times(c) for c in cs)} tensors)" if len(first) != len(cs) else ""
+    per_mb = f" ({m} micro-batches)" if m > 1 else ""
+    lines = [f"// {calls} collective calls per step{per_mb}{fused}, "
+             f"{sum(c.nbytes * times(c) for c in cs) / 2**20:.2f} MiB in:"]
     counts = Counter((c.kind, c.axis, c.role) for c in cs)
     for (kind, axis, role), n in sorted(counts.items()):
-        lines.append(f"//   {n:4d} x {kind:<15} on {axis:<3} {role}")
+        each = f" ({n} per micro-batch)" if m > 1 and role in ("pre", "fwd", "bwd") else ""
+        lines.append(f"//   {n * (m if each else 1):4d} x {kind:<15} on {axis:<3} {role}{each}")
     return "\n".join(lines)
 
 
