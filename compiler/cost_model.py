@@ -19,6 +19,9 @@ class CostModel(Protocol):
     def compute(self, nbytes: int) -> float:
         """An op that reads and writes ``nbytes`` on each device."""
 
+    def transfer(self, nbytes: int) -> float:
+        """A send/recv of ``nbytes`` between pipeline stages (matching ranks)."""
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -26,6 +29,9 @@ class AlphaBeta:
     launch: float = 50e-6  # s per collective call (launch, synchronisation): favours fewer, larger ones
     beta: float = 1 / 10e9  # s per byte over a link
     gamma: float = 1 / 200e9  # s per byte touched by a kernel
+    # s per byte between pipeline stages: stages sit on different nodes, whose link is slower
+    # than the one inside a tensor-parallel group
+    stage_beta: float = 4 / 10e9
 
     def collective(self, kind: str, nbytes: int, k: int) -> float:
         a, b, c = self.alpha, self.beta, self.launch
@@ -41,3 +47,6 @@ class AlphaBeta:
 
     def compute(self, nbytes: int) -> float:
         return self.gamma * nbytes
+
+    def transfer(self, nbytes: int) -> float:
+        return self.launch + self.alpha + nbytes * self.stage_beta
