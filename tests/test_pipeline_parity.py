@@ -32,9 +32,15 @@ def _check(*args: str) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("mesh,m", [("1x1x2", 4), ("1x1x4", 4), ("1x1x4", 8), ("2x1x2", 4), ("1x2x2", 4), ("2x2x2", 4)])
-def test_gpt_pipeline_parity(mesh, m):
-    _check(*GPT, "--mesh", mesh, "--microbatches", str(m))
+# 1x2x2 runs a wider model: its activations are large enough for the cost model to send them
+# cut along tp and gather them after receipt (the scatter/gather path is checked too)
+WIDE = ["--set", "hidden=512", "--set", "heads=8", "--set", "vocab=2048", "--set", "seq=64"]
+
+
+@pytest.mark.parametrize("mesh,m,extra", [("1x1x2", 4, []), ("1x1x4", 4, []), ("1x1x4", 8, []), ("2x1x2", 4, []),
+                                          ("1x2x2", 2, WIDE), ("2x2x2", 4, [])])
+def test_gpt_pipeline_parity(mesh, m, extra):
+    _check(*GPT, "--mesh", mesh, "--microbatches", str(m), "--batch-size", "8", *extra)
 
 
 def test_gpt_interleaved_pipeline_parity():
@@ -92,3 +98,17 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch()
     # no micro-batch's weight gradient is all-reduced: only their sum, in the once-a-step phase
     assert not [i for i in dp if set(refs(i)) & partial]
     assert [i for i in dp if i.role == "opt"]
+
+
+def test_the_cost_model_decides_whether_an_activation_crosses_whole_or_cut_along_tp():
+    def transfers(**sets):
+        plan = _plan("1x2x2", 2, **sets)
+        return [(c.kind, c.axis, c.role, c.nbytes) for c in collectives(plan)
+                if c.kind == "transfer" and c.role == "fwd" or c.value.endswith(("_from0", "_from1"))]
+
+    rows = 8 // 2  # one micro-batch
+    small = transfers(hidden=64, heads=4, vocab=256, seq=32)  # 32 KB: one message beats two
+    assert small == [("transfer", "pp", "fwd", rows * 32 * 64 * 4)], small
+    big = transfers(hidden=512, heads=8, vocab=2048, seq=64)  # 512 KB: send half, gather on tp
+    half = rows * 64 * 512 * 4 // 2
+    assert ("transfer", "pp", "fwd", half) in big and ("all_gather", "tp", "fwd", half) in big, big

@@ -24,15 +24,16 @@ on any wait cycle, before it goes into the plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
+from sbpc.compiler.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.schedule_sim import Simulation, TaskCost, simulate
 from sbpc.errors import CompileError, PlanError
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, Task, TaskGraph, replay
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
-from sbpc.runtime.sbp import Broadcast
+from sbpc.runtime.sbp import Broadcast, Split, local_shape
 
 _SEQUENTIAL_OK = {"sbpc.all_reduce", "sbpc.shard_slice", "sbpc.keep_first"}
 _ORDER = {Role.PRE: 0, Role.FORWARD: 1, Role.BACKWARD: 2, Role.OPTIMIZER: 3}
@@ -44,12 +45,13 @@ class Schedule:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     cost: TaskCost | None = None  # durations for the simulation; unit cost when None
+    cost_model: CostModel = field(default_factory=AlphaBeta)  # prices a transfer whole or split
 
     def apply(self, graph: Graph, ctx) -> Graph:
         pp, m = graph.mesh.size("pp"), graph.mesh.microbatches
         if pp == 1 and m == 1:
             return graph
-        graph = _Cutter(graph).run()
+        graph = _Cutter(graph, self.cost_model).run()
         tg = task_graph(graph)
         sim = simulate(tg, self.schedule, pp, self.virtual_stages, self.cost)
         try:
@@ -76,9 +78,11 @@ def simulate_graph(graph: Graph, schedule: str, virtual_stages: int, cost: TaskC
 
 
 class _Cutter:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, cost_model: CostModel | None = None):
         self.g = graph
+        self.cost_model = cost_model or AlphaBeta()
         axes = graph.mesh.sbp_axes
+        self.sizes = tuple(graph.mesh.size(a) for a in axes)
         self.mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
         self.sbp = {i.value: i.sbp for i in graph.inputs}
         for n in graph.nodes:
@@ -235,20 +239,63 @@ class _Cutter:
                     if src.role == Role.OPTIMIZER and n.role != Role.OPTIMIZER:
                         raise CompileError(f"%{u} is made once a step on chunk {src_chunk} but read per micro-batch on chunk {here}",
                                            location=str(n.loc) if n.loc else None)
-                    name = self.fresh(f"{u}_from{src_chunk}")
-                    nd = self.sbp.get(u)
-                    out.append(Node([name], TRANSFER, (Ref(u),), {"src": src_chunk, "dst": here},
-                                    [src.types[src.outputs.index(u)]], n.role, loc=src.loc, stage=here,
-                                    sbp=[nd] if nd is not None else None, sbp_in=[nd] if nd is not None else None,
-                                    why=f"%{u} crosses from chunk {src_chunk} to chunk {here}"))
+                    t = src.types[src.outputs.index(u)]
+                    nodes_, name = self._transfer(u, t, src, src_chunk, n, here)
+                    out.extend(nodes_)
                     moved[(u, here)] = name
-                    self.sbp[name] = nd
-                    made_on[name] = (here, out[-1])
+                    for m in nodes_:
+                        made_on[m.outputs[0]] = (m.stage, m)
                 renames[u] = moved[(u, here)]
             if renames:
                 n = _rename(n, renames)
             out.append(n)
         return _stable_phase_sort(out)
+
+    def _transfer(self, u: str, t, src: Node, src_chunk: int, reader: Node, here: int) -> tuple[list[Node], str]:
+        """``u`` sent whole, or -- when the cost model says so -- cut along a device axis on
+        which it is replicated, sent as 1/k, and all-gathered after receipt (Megatron's
+        scatter/gather: the stage link carries bsh/t instead of bsh)."""
+        nd = self.sbp.get(u)
+        split = self._scatter_axis(t, nd) if nd is not None else None
+        why = f"%{u} crosses from chunk {src_chunk} to chunk {here}"
+        if split is None:
+            name = self.fresh(f"{u}_from{src_chunk}")
+            return [Node([name], TRANSFER, (Ref(u),), {"src": src_chunk, "dst": here}, [t], reader.role, loc=src.loc,
+                         stage=here, sbp=[nd] if nd is not None else None, sbp_in=[nd] if nd is not None else None,
+                         why=why)], name
+        a, d = split
+        cut = nd[:a] + (Split(d),) + nd[a + 1:]
+        axis = self.g.mesh.sbp_axes[a]
+        names = [self.fresh(f"{u}_scatter"), self.fresh(f"{u}_from{src_chunk}"), self.fresh(f"{u}_gather")]
+        nodes = [
+            Node([names[0]], "sbpc.shard_slice", (Ref(u),), {"axis": axis, "dim": d, "parts": 1}, [t], src.role,
+                 loc=src.loc, stage=src_chunk, sbp=[cut], sbp_in=[nd], why=why + f", cut along {axis} to send 1/k"),
+            Node([names[1]], TRANSFER, (Ref(names[0]),), {"src": src_chunk, "dst": here}, [t], reader.role,
+                 loc=src.loc, stage=here, sbp=[cut], sbp_in=[cut], why=why),
+            Node([names[2]], "sbpc.all_gather", (Ref(names[1]),), {"axis": axis, "dim": d, "parts": 1}, [t], reader.role,
+                 loc=src.loc, stage=here, sbp=[nd], sbp_in=[cut], why=why + f", gathered along {axis} after receipt"),
+        ]
+        self.sbp.update({names[0]: cut, names[1]: cut, names[2]: nd})
+        return nodes, names[2]
+
+    def _scatter_axis(self, t, nd) -> tuple[int, int] | None:
+        """The (axis, dim) to cut a transfer along, if that is cheaper than sending it whole."""
+        local = local_shape(t.shape, nd, self.sizes)
+        whole = t.local_nbytes(nd, self.sizes)
+        best, best_cost = None, self.cost_model.transfer(whole)
+        split_dims = {s.dim for s in nd if isinstance(s, Split)}
+        for a, (name, k) in enumerate(zip(self.g.mesh.sbp_axes, self.sizes)):
+            if name == MICROBATCH or k == 1 or not isinstance(nd[a], Broadcast):
+                continue
+            dims = [d for d in range(len(local)) if local[d] % k == 0 and d not in split_dims]
+            if not dims:
+                continue
+            d = max(dims, key=lambda d: (local[d], d))
+            cost = (self.cost_model.collective("shard_slice", whole, k) + self.cost_model.transfer(whole // k)
+                    + self.cost_model.collective("all_gather", whole // k, k))
+            if cost < best_cost:
+                best, best_cost = (a, d), cost
+        return best
 
     # ----- tied parameters
     def _replica_updates(self, nodes: list[Node], outputs) -> tuple[list[Node], list]:
