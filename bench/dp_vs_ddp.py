@@ -73,15 +73,15 @@ def time_steps(step, batches: list, warmup: int, barrier) -> tuple[float, list[f
 
 
 def plan_worker(payload: dict) -> dict:
-    """Launch target: one rank of the sbpc plan."""
+    """Launch target: one rank of the sbpc plan (pipelined or not)."""
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.dist import init_distributed
     from sbpc.runtime.plan import load_plan
-    from sbpc.runtime.runner import BatchSource, Runner
+    from sbpc.runtime.runner import BatchSource, make_runner
 
     plan = load_plan(payload["plan"])
     comm = init_distributed(plan, timeout=payload["timeout"])
-    runner = Runner(plan, make_backend("cpu", comm, comm.topology), seed=0)
+    runner = make_runner(plan, make_backend("cpu", comm, comm.topology), seed=0)
     make = BatchSource(plan, 0)
     batches = [make(i) for i in range(payload["warmup"] + payload["steps"])]
     seconds, losses = time_steps(lambda b: runner.step(b).loss, batches, payload["warmup"], comm.barrier)

@@ -136,23 +136,6 @@ def describe_stages(stages: list[dict]) -> str:
 
 # --- ranks ---------------------------------------------------------------------------------
 
-def plan_worker(payload: dict) -> dict:
-    """Launch target: one rank of the pipelined sbpc plan."""
-    from dp_vs_ddp import time_steps
-    from sbpc.runtime.backend import make_backend
-    from sbpc.runtime.dist import init_distributed
-    from sbpc.runtime.plan import load_plan
-    from sbpc.runtime.runner import BatchSource, make_runner
-
-    plan = load_plan(payload["plan"])
-    comm = init_distributed(plan, timeout=payload["timeout"])
-    runner = make_runner(plan, make_backend("cpu", comm, comm.topology), seed=0)
-    make = BatchSource(plan, 0)
-    batches = [make(i) for i in range(payload["warmup"] + payload["steps"])]
-    seconds, losses = time_steps(lambda b: runner.step(b).loss, batches, payload["warmup"], comm.barrier)
-    return {"seconds": seconds, "losses": losses}
-
-
 def _stage_module(model, spec: dict):
     """A torch.nn.Module of gpt.py's layers on one stage: forward(idx) on the first stage,
     forward(x) on the others; the last returns the logits."""
@@ -307,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  stages (both sides): {describe_stages(stages)}", flush=True)
                 payload = {"plan": plan, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout,
                            "stages": stages, "microbatches": m, "lr": args.lr}
-                res = bench_sides_world(world, {"plan": ("pp_vs_pipelining:plan_worker", payload),
+                res = bench_sides_world(world, {"plan": ("dp_vs_ddp:plan_worker", payload),
                                                 PEER: ("pp_vs_pipelining:pipelining_worker", payload)},
                                         args.rounds, args.steps)
                 rows += compare_sides(name, batch, res, PEER)
