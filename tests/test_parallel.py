@@ -28,6 +28,10 @@ BATCH = 4
 GPT = ["examples/gpt.py", "--config", "examples/gpt.megatron.toml"]
 HF = ["examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml"]
 MESHES = ["2x1", "4x1", "1x2", "1x4", "2x2"]
+# The unmodified GPT-2 runs on the 2x2 mesh here, and with a pipeline on 2x2x2 in
+# test_pipeline_parity.py; its one-axis meshes passed in every run while they were in the suite
+# and were dropped to keep the suite within CI's time (they are one `sbpc check` each).
+HF_MESHES = ["2x2"]
 
 
 def _check(*args: str):
@@ -42,7 +46,7 @@ def test_gpt_megatron_parity(mesh):
     _check(*GPT, "--mesh", mesh)
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", HF_MESHES)
 def test_hf_gpt2_parity(mesh):
     _check(*HF, "--mesh", mesh)
 
@@ -78,15 +82,18 @@ def test_data_parallel_reduces_each_gradient_once():
     # activations the cost model rightly gathers activations instead of reducing gradients.
     plan = _plan("examples/gpt.py", "2x1", batch=16, hidden=256, heads=4, vocab=256)
     cs = _moving(plan)
-    assert {(c.axis, c.kind) for c in cs} == {("dp", "all_reduce")}
     # one all-reduce per parameter gradient (possibly of its transpose: same bytes) ...
     grad_reductions = [c for c in cs if c.role in ("bwd", "opt")]
+    assert {(c.axis, c.kind) for c in grad_reductions} == {("dp", "all_reduce")}
     param_bytes = Counter(4 * _numel(p.shape) for p in plan.params)
     assert Counter(c.nbytes for c in grad_reductions) == param_bytes
-    # ... and one of the 0-dim token count, which makes the mean loss exact (cross-entropy
-    # divides by the tokens of the whole batch, not of each shard)
+    # ... and one collective for the token count, which makes the mean loss exact (cross-entropy
+    # divides by the tokens of the whole batch, not of each shard). The count is taken from the
+    # targets, so it is either the 0-dim count all-reduced or the 1-byte-per-token mask of kept
+    # targets all-gathered: one call each, and with 2048 tokens the gather saves a ring step.
     others = [c for c in cs if c.role == "fwd"]
-    assert len(others) == 1 and others[0].nbytes <= 8, others
+    assert len(others) == 1 and others[0].axis == "dp", others
+    assert (others[0].kind, others[0].nbytes) in {("all_reduce", 4), ("all_gather", 16 * 128 // 2)}, others
 
 
 def _numel(shape) -> int:
