@@ -47,16 +47,37 @@ class Layouts:
     """Per-node 1-D signatures for each axis size, and the block count of every (value, dim)."""
 
     def __init__(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...],
-                 fixed: dict[int, list[NdSignature]] | None = None):
+                 fixed: dict[int, list[NdSignature]] | None = None, rep: list[int] | None = None,
+                 memo: dict | None = None):
         self.graph, self.rules, self.sizes = graph, rules, sizes
         # axis -> per-node signature already decided on that axis (the micro-batch axis)
         self.fixed = fixed or {}
+        # rep: node -> the node of its layer class whose signatures it shares (layer_classes);
+        # memo: what Layouts of one graph share (per-size signatures, stride patterns)
+        self._memo = memo if memo is not None else {}
         types = graph.value_types()
         self.types = types
         self.per_size: dict[int, list[list[Signature]]] = {}
         for k in sorted(set(sizes)):
-            self.per_size[k] = [self._node_signatures(n, [types[u] for u in n.uses()], k) for n in graph.nodes]
+            key = ("per_size", k)
+            if key not in self._memo:
+                self._memo[key] = self._all_signatures(k, rep)
+            self.per_size[k] = self._memo[key]
         self.parts = self._strides()
+
+    def _all_signatures(self, k: int, rep: list[int] | None) -> list[list[Signature]]:
+        """Every node's 1-D signatures for axis size ``k``. A node of a layer class shares its
+        representative's list (same op, literals, aliasing and types: the same signatures)."""
+        nodes, types = self.graph.nodes, self.types
+        out: list = [None] * len(nodes)
+        for i, n in enumerate(nodes):
+            if rep is None or rep[i] == i:
+                out[i] = self._node_signatures(n, [types[u] for u in n.uses()], k)
+        if rep is not None:
+            for i, r in enumerate(rep):
+                if r != i:
+                    out[i] = out[r]
+        return out
 
     def _node_signatures(self, n: Node, in_types: list[TensorType], k: int) -> list[Signature]:
         bcast = Signature(tuple(Broadcast() for _ in in_types), tuple(Broadcast() for _ in n.outputs), "all B")
@@ -69,32 +90,36 @@ class Layouts:
         return self.rules.signatures(n, in_types, k)
 
     def _strides(self) -> dict[tuple[str, int], int]:
-        uf, demands = _UnionFind(), {}
-        for k, all_sigs in self.per_size.items():
-            for n, sigs in zip(self.graph.nodes, all_sigs):
-                names = list(n.uses()) + list(n.outputs)
-                for sig in sigs:
-                    groups: dict[int, list] = {}
-                    for v, s in zip(names, sig.ins + sig.outs):
-                        if isinstance(s, Split):
-                            groups.setdefault(s.parts, []).append((v, s.dim))
-                    # a split/cat: block counts change across the op; the rule's base form (plain
-                    # splits on one side) says how many blocks the other side has
-                    source = len(groups) > 1 and min(groups) == 1
-                    for parts, pos in groups.items():
-                        for p in pos[1:]:
-                            uf.union(pos[0], p)
-                        if parts > 1 and source:
-                            demands.setdefault(uf.find(pos[0]), set()).add(parts)
-        # demands were recorded against roots that later unions may have merged
+        uf, demands = _UnionFind(), []
+        ks = sorted(self.per_size)
+        patterns = self._memo.setdefault("patterns", {})
+        self._split_at: list[tuple] = []  # per node: the (position, dim) pairs some signature splits
+        for i, n in enumerate(self.graph.nodes):
+            lists = tuple(self.per_size[k][i] for k in ks)
+            key = tuple(map(id, lists))
+            if key not in patterns:
+                patterns[key] = (_pattern(lists), lists)  # the lists stay alive: ids stay unique
+            unions, wants, split_at = patterns[key][0]
+            self._split_at.append(split_at)
+            if not unions and not wants:
+                continue
+            names = list(n.uses()) + list(n.outputs)
+            for p, d, q, e in unions:
+                uf.union((names[p], d), (names[q], e))
+            for p, d, parts in wants:
+                demands.append(((names[p], d), parts))
+        # demands resolve against the final classes
         merged: dict = {}
-        for root, parts in demands.items():
-            merged.setdefault(uf.find(root), set()).update(parts)
+        for at, parts in demands:
+            merged.setdefault(uf.find(at), set()).add(parts)
         self._uf = uf
-        return {root: next(iter(p)) for root, p in merged.items() if len(p) == 1}
+        parts = {root: next(iter(p)) for root, p in merged.items() if len(p) == 1}
+        # every (value, dim) of more than one block: the rest have one
+        self._blocks = {x: parts[r] for x in list(uf.parent) if (r := uf.find(x)) in parts}
+        return parts
 
     def block_count(self, value: str, dim: int) -> int:
-        return self.parts.get(self._uf.find((value, dim)), 1)
+        return self._blocks.get((value, dim), 1)
 
     def with_strides(self, n: Node, sig: Signature) -> Signature:
         """``sig`` with each split's block count taken from the analysis; a split/cat signature
@@ -105,6 +130,19 @@ class Layouts:
         fixed = [Split(s.dim, self.block_count(v, s.dim)) if isinstance(s, Split) and not source else s
                  for v, s in zip(names, sbps)]
         return Signature(tuple(fixed[:len(sig.ins)]), tuple(fixed[len(sig.ins):]), sig.note)
+
+    def same_candidates(self, i: int, j: int) -> bool:
+        """Whether nodes ``i`` and ``j`` (of one layer class) have the same candidates: the same
+        1-D signatures, the same decided axes and the same block counts at every position."""
+        if any(f[i] != f[j] for f in self.fixed.values()):
+            return False
+        if any(sigs[i] is not sigs[j] and sigs[i] != sigs[j] for sigs in self.per_size.values()):
+            return False
+        if not self._split_at[i]:
+            return True
+        a, b = self.graph.nodes[i], self.graph.nodes[j]
+        names_a, names_b = list(a.uses()) + list(a.outputs), list(b.uses()) + list(b.outputs)
+        return all(self.block_count(names_a[p], d) == self.block_count(names_b[p], d) for p, d in self._split_at[i])
 
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
@@ -122,6 +160,29 @@ class Layouts:
             if len(out) >= MAX_CANDIDATES:
                 break
         return out
+
+
+def _pattern(lists) -> tuple[tuple, tuple]:
+    """What a node's signature lists ask of the stride analysis, by position: the (position,
+    dim) pairs that share a layout, the block counts a split/cat demands, and every (position,
+    dim) some signature splits."""
+    unions, wants, split_at = set(), set(), set()
+    for sigs in lists:
+        for sig in sigs:
+            groups: dict[int, list] = {}
+            for p, s in enumerate(sig.ins + sig.outs):
+                if isinstance(s, Split):
+                    groups.setdefault(s.parts, []).append((p, s.dim))
+                    split_at.add((p, s.dim))
+            # a split/cat: block counts change across the op; the rule's base form (plain
+            # splits on one side) says how many blocks the other side has
+            source = len(groups) > 1 and min(groups) == 1
+            for parts, pos in groups.items():
+                for q in pos[1:]:
+                    unions.add(pos[0] + q)
+                if parts > 1 and source:
+                    wants.add(pos[0] + (parts,))
+    return tuple(sorted(unions)), tuple(sorted(wants)), tuple(sorted(split_at))
 
 
 def _one_axis(c: NdSignature, a: int) -> Signature:

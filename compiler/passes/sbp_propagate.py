@@ -20,6 +20,7 @@ from sbpc.compiler.boxing_plan import boxing_cost
 from sbpc.compiler.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.hint_op import OP as HINT_OP
 from sbpc.compiler.hints import parse_spec_string
+from sbpc.compiler.layer_classes import LayerClasses, layer_classes
 from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp_layout import Layouts, NdSignature
@@ -34,6 +35,11 @@ class SbpPropagate:
     cost_model: CostModel = field(default_factory=AlphaBeta)
     rules: RuleBook | None = None  # default: ir_specs/aten.sbp
     rounds: int = 6
+    # Layer classes (layer_classes): in a graph of at least ``tie_min_nodes`` nodes, the nodes
+    # of layers repeated at least ``tie_layers`` times are decided once per class, in a middle
+    # layer, and every layer follows. None: never.
+    tie_layers: int | None = 4
+    tie_min_nodes: int = 1000
 
     def apply(self, graph: Graph, ctx) -> Graph:
         axes = graph.mesh.sbp_axes
@@ -44,6 +50,8 @@ class SbpPropagate:
         rules = self.rules or RuleBook.load(strided_parts=())
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
         busy = [a for a, k in enumerate(sizes) if k > 1]
+        self._classes = self.classes(graph)
+        self._memo: dict = {}  # what the Layouts of this graph share
         if len(busy) == 1:
             return self._solve(graph, rules, sizes).result()
         # Several axes: solve each alone (the others one device), then start the joint search
@@ -55,21 +63,35 @@ class SbpPropagate:
         # every micro-batch collective a reduction, and the joint candidates as few as without it.
         fixed = {a: [s.cands[i][s.choice[i]] for i in range(len(graph.nodes))]
                  for a, s in zip(busy, alone) if axes[a] == MICROBATCH}
-        solver = _Solver(graph, Layouts(graph, rules, sizes, fixed), sizes, self.cost_model)
+        solver = self._solver(graph, rules, sizes, fixed)
         solver.fix_inputs()
         if not solver.combine(busy, alone):
             solver.greedy()
         self._refine(solver, busy)
         return solver.result()
 
+    def classes(self, graph: Graph) -> LayerClasses | None:
+        """The layer classes whose decisions are tied, or None (small graphs, tying off)."""
+        if self.tie_layers is None or len(graph.nodes) < self.tie_min_nodes:
+            return None
+        classes = layer_classes(graph, max(2, self.tie_layers))
+        return classes if classes.members else None
+
+    def _solver(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...], fixed=None) -> "_Solver":
+        classes = getattr(self, "_classes", None)
+        memo = getattr(self, "_memo", None)
+        lay = Layouts(graph, rules, sizes, fixed, classes.rep if classes else None, memo)
+        return _Solver(graph, lay, sizes, self.cost_model, classes, memo)
+
     def _solve(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...]) -> "_Solver":
-        solver = _Solver(graph, Layouts(graph, rules, sizes), sizes, self.cost_model)
+        solver = self._solver(graph, rules, sizes)
         solver.fix_inputs()
         solver.greedy()
         self._refine(solver, [a for a, k in enumerate(sizes) if k > 1])
         return solver
 
     def _refine(self, solver: "_Solver", busy: list[int]) -> None:
+        solver.go_live()
         for _ in range(self.rounds):
             changed = False
             for a in busy:
@@ -98,25 +120,101 @@ def _warn_unruled(graph: Graph, rules: RuleBook, log) -> None:
 
 
 class _Solver:
-    def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel):
+    def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel,
+                 classes: LayerClasses | None = None, memo: dict | None = None):
         self.g, self.lay, self.sizes, self.model = graph, layouts, sizes, model
         self.axes = graph.mesh.sbp_axes
         self.sequential = frozenset(a for a, name in enumerate(self.axes) if name == MICROBATCH)
         self.types: dict[str, TensorType] = layouts.types
-        self.cands: list[list[NdSignature]] = [layouts.candidates(i) for i in range(len(graph.nodes))]
-        self.uses = [list(n.uses()) for n in graph.nodes]
-        self.producer = {o: idx for idx, n in enumerate(graph.nodes) for o in n.outputs}
-        self.consumers: dict[str, list[int]] = {}
-        for idx, uses in enumerate(self.uses):
-            for v in dict.fromkeys(uses):
-                self.consumers.setdefault(v, []).append(idx)
+        self._tie(classes)
+        memo = memo if memo is not None else {}
+        if "index" not in memo:  # the graph's structure, shared by the solvers of one graph
+            uses = [list(n.uses()) for n in graph.nodes]
+            producer = {o: idx for idx, n in enumerate(graph.nodes) for o in n.outputs}
+            consumers: dict[str, list[int]] = {}
+            for idx, us in enumerate(uses):
+                for v in dict.fromkeys(us):
+                    consumers.setdefault(v, []).append(idx)
+            # per op: each value it uses once, with the positions it takes it at
+            at = [[(v, tuple(p for p, u in enumerate(us) if u == v)) for v in dict.fromkeys(us)] for us in uses]
+            memo["index"] = uses, producer, consumers, at
+        self.uses, self.producer, self.consumers, self.at = memo["index"]
         self.sbp: dict[str, NdSbp] = {}
         self.why: dict[str, str] = {}
         self.req: dict[str, dict[tuple, NdSbp]] = {}  # value -> (consumer, position) -> needed nd-SBP
+        self.reqc: dict[str, dict[NdSbp, int]] = {}  # value -> needed nd-SBP -> how many positions need it
         self.choice: list[int] = [0] * len(graph.nodes)
         self.focus: int | None = None  # the mesh axis refinement works on
         self._box: dict = {}
         self._hint_filters()
+
+    def _tie(self, classes: LayerClasses | None) -> None:
+        """Candidates, and the layer classes whose members follow their representative. A
+        member shares its representative's candidate list (so every choice copied to it is
+        one of its own candidates); one whose candidates differ leaves its class."""
+        count = len(self.g.nodes)
+        self.cls = classes.copy() if classes else LayerClasses(list(range(count)))
+        self.cands: list[list[NdSignature]] = [None] * count  # type: ignore[list-item]
+        for i in self.cls.active():
+            self.cands[i] = self.lay.candidates(i)
+        for r, ms in list(self.cls.members.items()):
+            for m in ms:
+                if m == r:
+                    continue
+                if self.lay.same_candidates(m, r):
+                    self.cands[m] = self.cands[r]
+                else:
+                    self.cls.drop(m)
+                    self.cands[m] = self.lay.candidates(m)
+        self.active = self.cls.active()
+        self.tied = {r: ms for r, ms in self.cls.members.items()}
+        self.vrep: dict[str, str] = {}  # filled in by _weigh
+        self.weight: dict[int, tuple[int, list[int]]] = {}
+        self.vweight: dict[str, tuple[int, list[str]]] = {}
+        self.copies: set[str] = set()  # values that another layer's copy stands for
+        self.live: dict[int, list[int]] | None = None  # representative -> the members _set keeps up to date
+
+    def _weigh(self) -> None:
+        """How a representative's costs stand for its class. A member whose surroundings are
+        the representative's (the same classes produce and consume each of its values, the
+        same inputs) costs what the representative costs: its class counts the representative
+        that many times. Any other member (the first and the last layer) is priced on its own.
+        The same for values: a member's result stands for the representative's, and so does
+        a layer's own input (its parameters)."""
+        if not self.tied:
+            return
+        rep, nodes = self.cls.rep, self.g.nodes
+        seen: dict[str, tuple] = {}
+
+        def vctx(v: str):
+            if v not in seen:
+                p = self.producer.get(v)
+                src = ("node", rep[p], nodes[p].outputs.index(v)) if p is not None else ("input", self.sbp.get(v))
+                seen[v] = src, tuple(sorted({(rep[c], q) for c in self.consumers.get(v, ()) for q, u in enumerate(self.uses[c]) if u == v}))
+            return seen[v]
+
+        def ctx(i: int):
+            return tuple(vctx(v) for v in self.uses[i] + list(nodes[i].outputs))
+
+        for r, ms in self.tied.items():
+            mine = ctx(r)
+            odd = [m for m in ms if m != r and ctx(m) != mine]
+            w = len(ms) - len(odd)
+            self.weight[r] = (w, odd)
+            for j, ro in enumerate(nodes[r].outputs):
+                self.vweight[ro] = (w, [nodes[m].outputs[j] for m in odd])
+                for m in ms:
+                    self.vrep[nodes[m].outputs[j]] = ro
+            for p, u in enumerate(self.uses[r]):
+                copies = [self.uses[m][p] for m in ms]
+                if u in self.producer or u in self.vweight or len(set(copies)) != len(copies):
+                    continue  # a result (done above) or a value every layer shares
+                self.vweight[u] = (w, [self.uses[m][p] for m in odd])
+                for c in copies:
+                    self.vrep.setdefault(c, u)
+        # the values a search looks at: all but those a representative's stands for
+        odd_values = {v for _, extra in self.vweight.values() for v in extra}
+        self.copies = {v for v, r in self.vrep.items() if v != r and v not in odd_values}
 
     # ----- inputs and hints
     def fix_inputs(self) -> None:
@@ -135,7 +233,27 @@ class _Solver:
                 self.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
         for o in self.g.outputs_of(OutputKind.UPDATE):
             src = by_name[o.name].value
-            self.req.setdefault(o.value, {})[("update", o.name)] = self.sbp[src]
+            self._require(o.value, ("update", o.name), self.sbp[src])
+        self._weigh()
+
+    def _require(self, v: str, key: tuple, t: NdSbp) -> None:
+        """Consumer position ``key`` needs ``v`` as ``t``."""
+        reqs = self.req.setdefault(v, {})
+        counts = self.reqc.setdefault(v, {})
+        old = reqs.get(key)
+        if old == t:
+            return
+        if old is not None:
+            if counts[old] == 1:
+                del counts[old]
+            else:
+                counts[old] -= 1
+        reqs[key] = t
+        counts[t] = counts.get(t, 0) + 1
+
+    def needs(self, v: str):
+        """The layouts ``v`` is needed in."""
+        return self.reqc.get(v, {}).keys()
 
     def _bcast(self) -> NdSbp:
         return tuple(Broadcast() for _ in self.axes)
@@ -174,7 +292,8 @@ class _Solver:
                                location=where, hint="pick a split dim whose size is a multiple of the axis size, or B")
 
     def _hint_filters(self) -> None:
-        for idx, n in enumerate(self.g.nodes):
+        for idx in self.active:
+            n = self.g.nodes[idx]
             if n.op != HINT_OP:
                 continue
             want = {self.axes.index(a): s for a, s in parse_spec_string(n.args[1], n.args[2]) if a in self.axes}
@@ -185,7 +304,8 @@ class _Solver:
                 axes = ", ".join(f"{self.axes[a]}={self.sizes[a]}" for a in want if self.sizes[a] > 1)
                 raise CompileError(f"SBP {n.args[1]} of {what} does not divide its shape {list(n.types[0].shape)} over {axes}",
                                    location=n.args[2], hint="pick a split dim whose size is a multiple of the axis size, or B")
-            self.cands[idx] = ok
+            for m in self.tied.get(idx, (idx,)):
+                self.cands[m] = ok
 
     # ----- costs
     def box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
@@ -200,6 +320,7 @@ class _Solver:
         return self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
 
     def value_cost(self, v: str, src: NdSbp, reqs) -> float:
+        """Converting ``v`` from ``src`` into each distinct layout of ``reqs``."""
         return sum(self.box(src, t, self.types[v]) for t in set(reqs) if t != src)
 
     # ----- search
@@ -207,25 +328,34 @@ class _Solver:
         """Take, for every op, the nd-signature made of what each one-axis solution chose on
         its axis; an op with no such candidate (the combination does not divide) is picked
         greedily. False when no op combines."""
-        picks = []
-        for idx in range(len(self.g.nodes)):
+        picks = {}
+        for idx in self.active:
             want = [(a, s.cands[idx][s.choice[idx]]) for a, s in zip(busy, alone)]
             match = next((ci for ci, c in enumerate(self.cands[idx])
                           if all(tuple(nd[a] for nd in c.ins + c.outs) == tuple(nd[a] for nd in w.ins + w.outs)
                                  for a, w in want)), None)
             if match is None:
                 match = self._add_combined(idx, want)
-            picks.append(match)
-        if all(ci is None for ci in picks):
+            picks[idx] = match
+        if all(ci is None for ci in picks.values()):
             return False
         # an op whose one-axis choices do not combine (their nested splits do not divide)
         # picks greedily among its own candidates, given what its producers chose
-        for idx, ci in enumerate(picks):
-            if ci is None:
+        for idx in self._first_members():
+            if picks[self.cls.rep[idx]] is None:
                 self._greedy_pick(idx)
             else:
-                self._set(idx, ci)
+                self._set(self.cls.rep[idx], picks[self.cls.rep[idx]])
         return True
+
+    def _first_members(self) -> list[int]:
+        """Program order, each layer class at its first member: there every producer has chosen."""
+        out, seen = [], set()
+        for idx, r in enumerate(self.cls.rep):
+            if r not in seen:
+                seen.add(r)
+                out.append(idx)
+        return out
 
     def _add_combined(self, idx: int, want) -> int | None:
         """The candidate made of each axis's one-axis choice, added when the capped candidate
@@ -250,23 +380,29 @@ class _Solver:
         return len(self.cands[idx]) - 1
 
     def greedy(self) -> None:
-        for idx in range(len(self.g.nodes)):
+        for idx in self._first_members():
             self._greedy_pick(idx)
 
     def _greedy_pick(self, idx: int) -> None:
+        """Op ``idx`` (and its layer class) takes its cheapest candidate given what its
+        producers chose; a class is priced at its representative once that one's producers
+        have chosen, else at ``idx``, its first member."""
+        r = self.cls.rep[idx]
+        if r != idx and all(v in self.sbp for v in self.uses[r]):
+            idx = r
         best, best_key = 0, None
         for ci, c in enumerate(self.cands[idx]):
             cost = 0.0
             for pos, v in enumerate(self.uses[idx]):
-                have = set(self.req.get(v, {}).values())
+                have = self.needs(v)
                 if c.ins[pos] != self.sbp[v] and c.ins[pos] not in have:
                     cost += self.greedy_box(self.sbp[v], c.ins[pos], self.types[v])
             for j, o in enumerate(self.g.nodes[idx].outputs):
-                cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
+                cost += self.value_cost(o, c.outs[j], self.needs(o))
             key = (round(cost, 12), _partials(c), ci)
             if best_key is None or key < best_key:
                 best, best_key = ci, key
-        self._set(idx, best)
+        self._set(self.cls.rep[idx], best)
 
     def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
         """How the first pass prices a conversion. It cannot see consumers yet, so it is
@@ -278,19 +414,30 @@ class _Solver:
         return self.box(src, dst, t)
 
     def local_cost(self, idx: int, c: NdSignature) -> float:
+        """What op ``idx`` costs in candidate ``c`` (its compute and the conversions of its
+        values); for a representative, what its whole layer class costs."""
+        if idx in self.weight:
+            w, odd = self.weight[idx]
+            return w * self._local_cost(idx, c) + sum(self._local_cost(m, c) for m in odd)
+        return self._local_cost(idx, c)
+
+    def _local_cost(self, idx: int, c: NdSignature) -> float:
         cost = self.compute(idx, c)
         n = self.g.nodes[idx]
-        for v in set(self.uses[idx]):
-            reqs = {k: t for k, t in self.req.get(v, {}).items() if k[0] != idx}
-            reqs.update({(idx, p): c.ins[p] for p, u in enumerate(self.uses[idx]) if u == v})
-            cost += self.value_cost(v, self.sbp[v], reqs.values())
+        for v, pos in self.at[idx]:
+            # what the other consumers need, and what c needs
+            counts, reqs = self.reqc.get(v, {}), self.req.get(v, {})
+            mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
+            need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
+            need.update(c.ins[p] for p in pos)
+            cost += self.value_cost(v, self.sbp[v], need)
         for j, o in enumerate(n.outputs):
-            cost += self.value_cost(o, c.outs[j], self.req.get(o, {}).values())
+            cost += self.value_cost(o, c.outs[j], self.needs(o))
         return cost
 
     def refine(self) -> bool:
         changed = False
-        for idx in range(len(self.g.nodes)):
+        for idx in self.active:
             opts = self.options(idx)
             if len(opts) < 2:
                 continue
@@ -314,6 +461,10 @@ class _Solver:
         for v, idxs in self.consumers.items():
             if len(idxs) < 2:
                 continue
+            if self.tied:  # through the representatives, when they all take this very value
+                idxs = list(dict.fromkeys(self.cls.rep[i] for i in idxs))
+                if len(idxs) < 2 or any(v not in self.uses[i] for i in idxs):
+                    continue
             targets = {self.cands[i][ci].ins[p] for i in idxs for ci in self.options(i) for p, u in enumerate(self.uses[i]) if u == v}
             for t in sorted(targets, key=repr):
                 if all(self.cands[i][self.choice[i]].ins[p] == t for i in idxs
@@ -337,12 +488,14 @@ class _Solver:
         """Ops next to a conversion that costs more than a local copy: where moves can pay."""
         hot = set()
         for v, reqs in self.req.items():
+            if v in self.copies:
+                continue
             src = self.sbp.get(v)
             for t in set(reqs.values()):
                 if t != src and self.box(src, t, self.types[v]) > self.model.collective("keep_first", self.types[v].nbytes, 2):
-                    hot.update(k[0] for k, tt in reqs.items() if tt == t and isinstance(k[0], int))
+                    hot.update(self.cls.rep[k[0]] for k, tt in reqs.items() if tt == t and isinstance(k[0], int))
                     if v in self.producer:
-                        hot.add(self.producer[v])
+                        hot.add(self.cls.rep[self.producer[v]])
         return sorted(hot)
 
     def _neighbours(self, idx: int) -> list[int]:
@@ -351,6 +504,8 @@ class _Solver:
             if v in self.producer:
                 out.append(self.producer[v])
             out += self.consumers.get(v, ())
+        if self.tied:
+            out = [self.cls.rep[m] for m in out]
         return [m for m in dict.fromkeys(out) if m != idx]
 
     def _try_cascade(self, idx: int, ci: int, budget: int) -> bool:
@@ -399,8 +554,17 @@ class _Solver:
         return False
 
     def _cost_of(self, idxs: list[int], values: set[str]) -> float:
-        cost = sum(self.compute(i, self.cands[i][self.choice[i]]) for i in idxs)
-        return cost + sum(self.value_cost(v, self.sbp[v], self.req.get(v, {}).values()) for v in values)
+        if not self.tied:
+            cost = sum(self.compute(i, self.cands[i][self.choice[i]]) for i in idxs)
+            return cost + sum(self.value_cost(v, self.sbp[v], self.needs(v)) for v in values)
+        # a class's ops and values in every layer: the value between two layers once, not as
+        # one layer's input and another's output
+        cost = sum(self.compute(i, self.cands[i][self.choice[i]]) * len(self.tied.get(i, (i,))) for i in idxs)
+        for v in {self.vrep.get(v, v) for v in values}:
+            w, odd = self.vweight.get(v, (1, ()))
+            cost += w * self.value_cost(v, self.sbp[v], self.needs(v))
+            cost += sum(self.value_cost(u, self.sbp[u], self.needs(u)) for u in odd)
+        return cost
 
     def options(self, idx: int) -> list[int]:
         """The candidates refinement may move op ``idx`` to: all of them, or, while it works
@@ -414,21 +578,57 @@ class _Solver:
         return [ci for ci, c in enumerate(self.cands[idx]) if key(c) == k]
 
     def _set(self, idx: int, ci: int) -> None:
+        """Op ``idx`` takes candidate ``ci``, and so does every member of its layer class (the
+        layouts and needs of members that no cost reads are left as they are: ``go_live``)."""
+        ms = self.tied.get(idx)
+        if ms is None:
+            self._set_one(idx, ci)
+            return
+        for m in ms:
+            self.choice[m] = ci
+        for m in (ms if self.live is None else self.live[idx]):
+            self._set_one(m, ci)
+
+    def go_live(self) -> None:
+        """From now on (refinement), keep up to date only the layouts and needs that costs
+        read: those of the values of representatives, of ops in no class and of the members
+        priced on their own (``_weigh``). The members that touch none of these are copies
+        whose state no cost reads; their choices still follow."""
+        if not self.tied or self.live is not None:
+            return
+        nodes = self.g.nodes
+        read = [i for i, r in enumerate(self.cls.rep) if r == i]
+        read += [m for _, odd in self.weight.values() for m in odd]
+        values = {v for i in read for v in self.uses[i]} | {o for i in read for o in nodes[i].outputs}
+        own = {m for _, odd in self.weight.values() for m in odd}
+        self.live = {}
+        for r, ms in self.tied.items():
+            self.live[r] = [m for m in ms if m == r or m in own
+                            or any(v in values for v in self.uses[m]) or any(o in values for o in nodes[m].outputs)]
+
+    def _set_one(self, idx: int, ci: int) -> None:
         self.choice[idx] = ci
         c = self.cands[idx][ci]
-        for v in set(self.uses[idx]):
-            self.req.setdefault(v, {}).update({(idx, p): c.ins[p] for p, u in enumerate(self.uses[idx]) if u == v})
+        for v, pos in self.at[idx]:
+            for p in pos:
+                self._require(v, (idx, p), c.ins[p])
         for j, o in enumerate(self.g.nodes[idx].outputs):
             self.sbp[o] = c.outs[j]
 
     def result(self) -> Graph:
+        whys: dict[int, str] = {}
+        for idx in self.active:
+            n, c = self.g.nodes[idx], self.cands[idx][self.choice[idx]]
+            rules = "; ".join(f"{a}: {note}" for a, k, note in zip(self.axes, self.sizes, c.notes) if k > 1)
+            whys[idx] = f"{n.op} by rule [{rules}], the cheapest of {len(self.cands[idx])} signatures " \
+                        f"(compute + boxing {self.local_cost(idx, c):.3g} s)"
+            if idx in self.tied:
+                whys[idx] += f", for its layer class of {len(self.tied[idx])} ops (as decided in " \
+                             f"{n.loc.module if n.loc else 'this layer'})"
         nodes = []
         for idx, n in enumerate(self.g.nodes):
             c = self.cands[idx][self.choice[idx]]
-            rules = "; ".join(f"{a}: {note}" for a, k, note in zip(self.axes, self.sizes, c.notes) if k > 1)
-            why = f"{n.op} by rule [{rules}], the cheapest of {len(self.cands[idx])} signatures " \
-                  f"(compute + boxing {self.local_cost(idx, c):.3g} s)"
-            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=why))
+            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[self.cls.rep[idx]]))
         inputs = [replace(i, sbp=self.sbp[i.value], why=self.why[i.value]) for i in self.g.inputs]
         return replace(self.g, inputs=inputs, nodes=nodes)
 
