@@ -113,11 +113,15 @@ class _Cutter:
                                    hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
         role = [n.role for n in nodes]
         ancestors_bwd = self._reaches_backward(nodes)
+        readers: dict[str, list[int]] = {}
+        for i, n in enumerate(nodes):
+            for u in dict.fromkeys(n.uses()):
+                readers.setdefault(u, []).append(i)
         for i, n in enumerate(nodes):
             if not self._is_mb_reduce(n):
                 continue
             x = n.args[0].name
-            early = not ancestors_bwd.get(x, False) and any(self.per_mb(o) for c in self._consumers(nodes, n.outputs[0])
+            early = not ancestors_bwd.get(x, False) and any(self.per_mb(o) for c in readers.get(n.outputs[0], [])
                                                             for o in nodes[c].outputs)
             if early:
                 for a in self._ancestors(nodes, x):
@@ -157,9 +161,6 @@ class _Cutter:
             for o in n.outputs:
                 out[o] = hit
         return out
-
-    def _consumers(self, nodes: list[Node], v: str) -> list[int]:
-        return [i for i, n in enumerate(nodes) if v in n.uses()]
 
     def _ancestors(self, nodes: list[Node], v: str) -> list[int]:
         seen, stack = set(), [v]
@@ -302,9 +303,13 @@ class _Cutter:
         """A param read on chunks other than the one that updates it receives the new value."""
         updates = {o.name: o.value for o in outputs if o.kind == OutputKind.UPDATE}
         made_on = {o: n for n in nodes for o in n.outputs}
+        readers_of: dict[str, set[int]] = {}
+        for n in nodes:
+            for u in n.uses():
+                readers_of.setdefault(u, set()).add(n.stage or 0)
         extra = []
         for p in self.g.inputs_of(InputKind.PARAM):
-            readers = sorted({n.stage or 0 for n in nodes if p.value in n.uses()})
+            readers = sorted(readers_of.get(p.value, ()))
             new = updates.get(p.name)
             if new not in made_on:
                 continue
