@@ -88,30 +88,31 @@ def plan_worker(payload: dict) -> dict:
     return {"seconds": seconds, "losses": losses}
 
 
-def run_side(target: str, payload: dict) -> dict:
-    """Launch 2 ranks (1 thread each) on ``target``; the run's time is its slowest rank's."""
+def run_side(target: str, payload: dict, world: int = 2) -> dict:
+    """Launch ``world`` ranks (1 thread each) on ``target``; the run's time is its slowest rank's."""
     from sbpc.runtime.launch import launch
 
-    results = launch(2, target, payload, timeout=payload["timeout"], threads=1)
+    results = launch(world, target, payload, timeout=payload["timeout"], threads=1)
     return {"seconds": max(r["seconds"] for r in results), "losses": results[0]["losses"]}
 
 
-def bench_sides(sides: dict[str, tuple[str, dict]], rounds: int, steps: int) -> dict[str, dict]:
-    """Launch each side ``rounds`` times, alternating the order; per side the median s/step,
-    the best s/step and rank 0's losses of the first run."""
+def bench_sides(sides: dict[str, tuple[str, dict]], rounds: int, steps: int, world: int = 2) -> dict[str, dict]:
+    """Launch each side ``rounds`` times on ``world`` ranks, alternating the order; per side the
+    median s/step, the best s/step, rank 0's losses of the first run and every run's s/step."""
     runs = {name: [] for name in sides}
     order = list(sides)
     for r in range(rounds):
         for name in order:
             target, payload = sides[name]
-            res = run_side(target, payload)
+            res = run_side(target, payload, world)
             runs[name].append(res)
-            print(f"  round {r + 1} {name:>8}: {steps / res['seconds']:7.2f} steps/s "
+            print(f"  round {r + 1} {name:>8}: {steps / res['seconds']:7.3f} steps/s "
                   f"({res['seconds'] / steps * 1e3:.2f} ms/step), load {os.getloadavg()[0]:.2f}", flush=True)
         order.reverse()
     return {name: {"median": statistics.median(x["seconds"] for x in rs) / steps,
                    "best": min(x["seconds"] for x in rs) / steps,
-                   "losses": rs[0]["losses"]} for name, rs in runs.items()}
+                   "losses": rs[0]["losses"],
+                   "runs_s_per_step": [x["seconds"] / steps for x in rs]} for name, rs in runs.items()}
 
 
 def print_table(rows: list[tuple], peer: str) -> None:

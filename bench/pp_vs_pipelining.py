@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -218,35 +217,8 @@ def pipelining_worker(payload: dict) -> dict:
 
 # --- parent --------------------------------------------------------------------------------
 
-def run_side(world: int, target: str, payload: dict) -> dict:
-    """Launch ``world`` ranks (1 thread each) on ``target``; the run's time is its slowest rank's."""
-    from sbpc.runtime.launch import launch
-
-    results = launch(world, target, payload, timeout=payload["timeout"], threads=1)
-    return {"seconds": max(r["seconds"] for r in results), "losses": results[0]["losses"]}
-
-
-def bench_sides_world(world: int, sides: dict[str, tuple[str, dict]], rounds: int, steps: int) -> dict[str, dict]:
-    """dp_vs_ddp.bench_sides for ``world`` ranks: each side ``rounds`` times, order alternating;
-    per side the median s/step, the best s/step, rank 0's losses of the first run and all runs."""
-    runs = {name: [] for name in sides}
-    order = list(sides)
-    for r in range(rounds):
-        for name in order:
-            target, payload = sides[name]
-            res = run_side(world, target, payload)
-            runs[name].append(res)
-            print(f"  round {r + 1} {name:>8}: {steps / res['seconds']:7.3f} steps/s "
-                  f"({res['seconds'] / steps * 1e3:.1f} ms/step), load {os.getloadavg()[0]:.2f}", flush=True)
-        order.reverse()
-    return {name: {"median": statistics.median(x["seconds"] for x in rs) / steps,
-                   "best": min(x["seconds"] for x in rs) / steps,
-                   "losses": rs[0]["losses"],
-                   "runs_s_per_step": [x["seconds"] / steps for x in rs]} for name, rs in runs.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
-    from dp_vs_ddp import add_common_args, compare_sides, print_table
+    from dp_vs_ddp import add_common_args, bench_sides, compare_sides, print_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
@@ -290,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  stages (both sides): {describe_stages(stages)}", flush=True)
                 payload = {"plan": plan, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout,
                            "stages": stages, "microbatches": m, "lr": args.lr}
-                res = bench_sides_world(world, {"plan": ("dp_vs_ddp:plan_worker", payload),
-                                                PEER: ("pp_vs_pipelining:pipelining_worker", payload)},
-                                        args.rounds, args.steps)
+                res = bench_sides({"plan": ("dp_vs_ddp:plan_worker", payload),
+                                   PEER: ("pp_vs_pipelining:pipelining_worker", payload)},
+                                  args.rounds, args.steps, world)
                 rows += compare_sides(name, batch, res, PEER)
                 l0, t0 = res["plan"]["losses"][0], res[PEER]["losses"][0]
                 rel = abs(l0 - t0) / abs(t0)
