@@ -174,7 +174,7 @@ class PipelineRunner(Runner):
         owned = {p.name: p.update for p in plan.params if p.update in step_env and p.update in self._made_here}
         replicas = {r.name: r.value for r in self.spec.replicas if r.chunk % self.p == self.stage}
         for name in self.params:
-            value = owned.get(next(p.name for p in plan.params if p.name == name)) or replicas.get(name)
+            value = owned.get(name) or replicas.get(name)
             if value is None:
                 raise RuntimeFailure(f"stage {self.stage} holds parameter {name} but receives no new value for it",
                                      hint="the plan is corrupt; recompile it")
@@ -188,9 +188,10 @@ class PipelineRunner(Runner):
         return StepResult(loss=loss, grads=grads or {})
 
     def _loss(self, step_env) -> float:
-        name = plan_loss = self.plan.stages[0].loss
+        """The step's loss on every rank: gathered on its stage, broadcast from that stage's lead."""
+        name = self.plan.stages[0].loss
         here = name in self._made_here
-        value = torch.zeros(()) if not here else self.gather(step_env[plan_loss], self._value_sbp(self.types[name]))
+        value = torch.zeros(()) if not here else self.gather(step_env[name], self._value_sbp(self.types[name]))
         owner = self.topology.rank_of({**self.topology.coords, "pp": self._loss_stage(), **{a: 0 for a in self.topology.sbp_axes}})
         return float(self.backend.communicator.broadcast(value.detach().reshape(()).to(torch.float64), owner))
 
@@ -212,10 +213,9 @@ class PipelineRunner(Runner):
         return out
 
     def logical_params(self) -> dict[str, torch.Tensor]:
-        owned = {p.update for p in self.plan.params}
+        """Every parameter as its logical tensor, on rank 0 (elsewhere {}). Every rank must call it."""
         mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
                 if p.name in self.params and self._owner_here(p)}
-        del owned
         return self._collect(mine) or {}
 
     def logical_weights(self) -> dict[str, torch.Tensor]:

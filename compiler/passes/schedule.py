@@ -31,7 +31,7 @@ from sbpc.compiler.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.schedule_sim import Simulation, TaskCost, simulate
 from sbpc.errors import CompileError, PlanError
-from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, Task, TaskGraph, replay
+from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, TaskGraph, replay
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
 from sbpc.runtime.sbp import Broadcast, Split, local_shape
 
