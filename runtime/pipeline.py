@@ -76,6 +76,7 @@ class PipelineRunner(Runner):
                    {b.name for b in plan.buffers if b.value in mine}, {s.name for s in plan.states if s.value in mine})
         self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
                            for it in b.kernels + b.recvs + b.reads for o in it.outs}
+        self._tags = {s.out: s.tag for ss in self.graph.sends.values() for s in ss}  # one per transfer
         self.firings: list[Firing] = []
         self.steps = 0
         self._last_of_mb = self._last_tasks()
@@ -158,8 +159,7 @@ class PipelineRunner(Runner):
         return pending
 
     def _tag(self, out: str, mb: int | None) -> int:
-        base = next(s.tag for ss in self.graph.sends.values() for s in ss if s.out == out)
-        return base * (self.m + 1) + (0 if mb is None else mb + 1)
+        return self._tags[out] * (self.m + 1) + (0 if mb is None else mb + 1)
 
     def _last_tasks(self) -> dict[int, Task]:
         last: dict[int, Task] = {}

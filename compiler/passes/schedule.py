@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
+from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, rename_uses
 from sbpc.compiler.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.mesh import MICROBATCH
 from sbpc.compiler.schedule_sim import Simulation, TaskCost, simulate
@@ -338,5 +338,4 @@ def _stable_phase_sort(nodes: list[Node]) -> list[Node]:
 
 
 def _rename(n: Node, renames: dict[str, str]) -> Node:
-    from sbpc.compiler.ir.types import rename_uses
     return rename_uses(n, lambda u: renames.get(u, u))
