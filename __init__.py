@@ -9,14 +9,14 @@ def shard(tensor, **axes):
     SBP (the residual stream ``tp="S(1)"`` is sequence parallelism). Outside ``sbpc compile``
     it returns ``tensor`` unchanged, so a model file stays plain PyTorch.
     """
-    from sbpc.compiler.hints import ACTIVE
+    from sbpc.compiler.frontend.hints import ACTIVE
 
     recorder = ACTIVE.get()
     if recorder is None:
         return tensor
     import sys
 
-    from sbpc.compiler.model_loader import display_path
+    from sbpc.compiler.frontend.model_loader import display_path
 
     frame = sys._getframe(1)
     return recorder.shard(tensor, axes, f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}")
@@ -32,14 +32,14 @@ def stage(index: int):
     """
     import contextlib
 
-    from sbpc.compiler.hints import ACTIVE
+    from sbpc.compiler.frontend.hints import ACTIVE
 
     recorder = ACTIVE.get()
     if recorder is None:
         return contextlib.nullcontext()
     import sys
 
-    from sbpc.compiler.model_loader import display_path
+    from sbpc.compiler.frontend.model_loader import display_path
 
     frame = sys._getframe(1)
     return recorder.stage(index, f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}")

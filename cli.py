@@ -33,10 +33,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
 
 def _compile(args: argparse.Namespace):
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.hints import load_config
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model, parse_sets
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model, parse_sets
+    from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.compiler.pass_manager import CompileContext
 
     mesh = parse_mesh(args.mesh)
@@ -94,7 +94,7 @@ def cmd_compile(args) -> int:
         if result.plan.pipeline is None:
             raise UsageError("--trace needs a pipelined plan (a pp axis or --microbatches above 1)",
                              hint="a one-stage plan is one firing per step; use `sbpc run --trace` for its timeline")
-        from sbpc.compiler.pipeline_report import write_simulated_trace
+        from sbpc.compiler.tools.pipeline_report import write_simulated_trace
 
         sim = write_simulated_trace(result.plan, args.trace)
         print(f"wrote the simulated timeline ({len(sim.timeline)} firings, bubble {sim.bubble():.3f}) to {args.trace}")
@@ -108,19 +108,19 @@ def cmd_inspect(args) -> int:
 
     plan = load_plan(args.plan)
     if args.html:
-        from sbpc.compiler.report import write_report
+        from sbpc.compiler.tools.report import write_report
 
         write_report(plan, args.html)
         print(f"wrote {args.html}")
         return 0
     if args.collectives:
-        from sbpc.compiler.comm_report import summary, table
+        from sbpc.compiler.tools.comm_report import summary, table
 
         print(table(plan))
         print(summary(plan))
         return 0
     if args.schedule:
-        from sbpc.compiler.pipeline_report import schedule_text
+        from sbpc.compiler.tools.pipeline_report import schedule_text
 
         print(schedule_text(plan))
         return 0
@@ -140,7 +140,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from sbpc.compiler.check import check_on_ranks, run_check
+    from sbpc.compiler.tools.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.runner import make_runner
 
@@ -183,7 +183,7 @@ def cmd_opt(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from sbpc.compiler.comm_report import explain
+    from sbpc.compiler.tools.comm_report import explain
     from sbpc.runtime.plan import load_plan
 
     print(explain(load_plan(args.plan), args.tensor))

@@ -47,10 +47,10 @@ TIMEOUT = 300.0
 def compile_plan(model: str, sets: list[str], mesh: str, batch_size: int, tmpdir: str, config: str | None = None) -> str:
     """Compile ``model`` for ``mesh`` (AdamW defaults) and save the plan; returns its path."""
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.hints import load_config
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model, parse_sets
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model, parse_sets
+    from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.runtime.plan import save_plan
 
     start = time.perf_counter()
@@ -168,7 +168,7 @@ def ddp_worker(payload: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.runtime.model_file import import_model_file
     from sbpc.runtime.plan import load_plan
     from sbpc.runtime.runner import BatchSource

@@ -59,7 +59,7 @@ PEER = "torch"
 
 
 def sgd(lr: float):
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.frontend.optim import OptimizerConfig
 
     return OptimizerConfig(kind="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
 
@@ -69,8 +69,8 @@ def compile_pp_plan(model: str, sets: list[str], mesh: str, batch_size: int, mic
     """Compile ``model`` for the pipelined ``mesh`` (1F1B, ``microbatches``, plain SGD) and save
     the plan; returns its path."""
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model, parse_sets
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model, parse_sets
     from sbpc.compiler.passes import PipelineOptions
     from sbpc.runtime.plan import save_plan
 

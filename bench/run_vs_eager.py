@@ -32,9 +32,9 @@ import time
 import torch
 
 from sbpc.compiler.driver import compile_model
-from sbpc.compiler.mesh import parse_mesh
-from sbpc.compiler.model_loader import load_model, parse_sets
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.frontend.model_loader import load_model, parse_sets
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.runner import BatchSource, Runner
 

@@ -86,7 +86,7 @@ def dtensor_worker(payload: dict) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dp_vs_ddp import time_steps
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.runtime.model_file import import_model_file
     from sbpc.runtime.plan import load_plan
     from sbpc.runtime.runner import BatchSource
@@ -128,7 +128,7 @@ def dtensor_worker(payload: dict) -> dict:
 
 def describe_plan(path: str) -> None:
     """The parameter layouts sbp-propagate chose and the plan's collectives per step."""
-    from sbpc.compiler.comm_report import collectives
+    from sbpc.compiler.tools.comm_report import collectives
     from sbpc.runtime.plan import load_plan
 
     plan = load_plan(path)

@@ -4,13 +4,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from sbpc.compiler.capture import capture
-from sbpc.compiler.hints import ParallelConfig
+from sbpc.compiler.frontend.capture import capture
+from sbpc.compiler.frontend.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.lower import lower
-from sbpc.compiler.mesh import Mesh
-from sbpc.compiler.model_loader import ModelSource
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import Mesh
+from sbpc.compiler.frontend.model_loader import ModelSource
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.runtime.plan import ModelRef, Plan

@@ -9,8 +9,8 @@ import math
 
 from sbpc import __version__
 from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
-from sbpc.compiler.mesh import MICROBATCH
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.passes.memory_plan import last_uses
 from sbpc.runtime import plan as P
 from sbpc.runtime.sbp import local_shape

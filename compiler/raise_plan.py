@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Graph, GraphInput, GraphOutput, InputKind, Node, \
     OutputKind, Ref, Role, SourceLoc, Sym, TensorType
-from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.ir.mesh import Mesh
 from sbpc.runtime.sbp import parse_sbp
 from sbpc.runtime import plan as P
 from sbpc.runtime.model_file import model_name

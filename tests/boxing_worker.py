@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from sbpc.compiler.boxing_plan import plan_boxing
+from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.ir.types import TensorType
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.dist import init_distributed

@@ -25,9 +25,9 @@ _compiled: dict = {}
 def compile_example(name: str, **kw):
     """Compile examples/<name> once per session for mesh 1 (cached by arguments)."""
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
 
     key = (name, repr(sorted(kw.items())))
     if key not in _compiled:

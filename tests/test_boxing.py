@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from sbpc.compiler.boxing_plan import plan_boxing
+from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.ir.types import TensorType
 from sbpc.errors import CompileError
 from sbpc.runtime.launch import launch

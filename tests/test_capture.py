@@ -7,12 +7,12 @@ import pytest
 
 from conftest import compile_example, sbpc
 from filecheck import filecheck
-from sbpc.compiler.capture import capture
+from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import InputKind, OutputKind, Role
-from sbpc.compiler.mesh import parse_mesh
-from sbpc.compiler.model_loader import load_model
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.frontend.model_loader import load_model
+from sbpc.compiler.frontend.optim import OptimizerConfig
 
 
 def test_mlp_capture_golden():

@@ -2,8 +2,8 @@
 import pytest
 
 from conftest import compile_example
-from sbpc.compiler.check import run_check
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.tools.check import run_check
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.plan import RefArg
 from sbpc.runtime.runner import Runner
@@ -43,8 +43,8 @@ def test_sgd_momentum_matches_eager():
 
 def test_computed_buffers_are_rebuilt_by_init_replay():
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
 
     source = load_model("tests/models/causal_buffer.py")
     opt = OptimizerConfig()

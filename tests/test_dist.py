@@ -356,9 +356,9 @@ def test_an_error_in_the_spawned_ranks_is_one_line_with_exit_code_2(tmp_path, dp
 def test_a_compiled_data_parallel_plan_matches_its_one_device_run(tmp_path):
     """End to end with the compiler: examples/mlp.py for dp=2 on two spawned ranks."""
     from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.mesh import parse_mesh
-    from sbpc.compiler.model_loader import load_model
-    from sbpc.compiler.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.runtime.plan import save_plan
     from sbpc.runtime.runner import BatchSource, step_seed
 

@@ -1,5 +1,5 @@
 """In-place ops on private temporaries become out-of-place; anything observable stays."""
-from sbpc.compiler.functionalize import functionalize
+from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.ir.parser import parse_graph
 from sbpc.compiler.ir.printer import format_node
 

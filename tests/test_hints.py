@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import sbpc
-from sbpc.compiler.hints import glob_match, load_config
+from sbpc.compiler.frontend.hints import glob_match, load_config
 from sbpc.errors import UsageError
 from sbpc.runtime.sbp import Split
 

@@ -12,7 +12,7 @@ from sbpc.compiler.ir.types import (
     DTYPES, DType, Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role,
     SourceLoc, Sym, TensorType,
 )
-from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.ir.mesh import Mesh
 from sbpc.runtime.sbp import Broadcast, Partial, Split
 from sbpc.errors import IRError
 

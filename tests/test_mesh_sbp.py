@@ -1,8 +1,8 @@
 """Meshes, SBP values and --set parsing."""
 import pytest
 
-from sbpc.compiler.mesh import Mesh, parse_mesh
-from sbpc.compiler.model_loader import parse_sets
+from sbpc.compiler.ir.mesh import Mesh, parse_mesh
+from sbpc.compiler.frontend.model_loader import parse_sets
 from sbpc.runtime.sbp import Broadcast, Partial, Split, format_nd_sbp, parse_sbp
 from sbpc.errors import UsageError
 

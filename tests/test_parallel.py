@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 
 from conftest import sbpc
-from sbpc.compiler.comm_report import collectives
+from sbpc.compiler.tools.comm_report import collectives
 from sbpc.compiler.driver import compile_model
-from sbpc.compiler.hints import load_config
-from sbpc.compiler.mesh import parse_mesh
-from sbpc.compiler.model_loader import load_model
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.frontend.hints import load_config
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.frontend.model_loader import load_model
+from sbpc.compiler.frontend.optim import OptimizerConfig
 
 TOL = "1e-4"  # the acceptance bound (fp32); measured deviations are printed by each check
 # SGD with momentum: AdamW divides by sqrt(v), which turns the rounding noise of a gradient that

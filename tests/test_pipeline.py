@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import sbpc
-from sbpc.compiler.schedule_sim import regsts, simulate
+from sbpc.compiler.pipelining.schedule_sim import regsts, simulate
 from sbpc.errors import CompileError, PlanError, RuntimeFailure
 from sbpc.runtime.launch import launch
 from sbpc.runtime.pipeline_tasks import Item, Task, TaskGraph, fmt, replay

@@ -3,7 +3,7 @@
 Every op instance of the example joint graphs (plus synthetic instances of rule-file ops the
 examples do not use) runs with real values; each signature the rule book offers on a 1-D
 axis of 2 and of 4 devices is then simulated rank by rank and must reproduce the logical
-outputs (compiler/rules/validate.py).
+outputs (compiler/sbp/rules/validate.py).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 from conftest import compile_example
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, InputKind, Node, Ref, Role, TensorType
-from sbpc.compiler.rules.validate import AXIS, Instance, instances, record, run_node, validate
-from sbpc.compiler.sbp_rules import RuleBook, Signature
+from sbpc.compiler.sbp.rules.validate import AXIS, Instance, instances, record, run_node, validate
+from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.errors import IRError
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.sbp import Broadcast, Partial, Split, local_shape

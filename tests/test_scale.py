@@ -12,17 +12,17 @@ from collections import Counter
 
 import pytest
 
-from sbpc.compiler.capture import capture
-from sbpc.compiler.cost_model import AlphaBeta
-from sbpc.compiler.layer_classes import blank_layers, layer_classes
-from sbpc.compiler.mesh import parse_mesh
-from sbpc.compiler.model_loader import load_model
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.frontend.capture import capture
+from sbpc.compiler.sbp.cost_model import AlphaBeta
+from sbpc.compiler.sbp.layer_classes import blank_layers, layer_classes
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.frontend.model_loader import load_model
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import CompileContext
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.compiler.passes.sbp_propagate import SbpPropagate, _Solver
-from sbpc.compiler.sbp_layout import Layouts
-from sbpc.compiler.sbp_rules import RuleBook
+from sbpc.compiler.sbp.layout import Layouts
+from sbpc.compiler.sbp.rules import RuleBook
 
 LAYERS = 6
 

@@ -6,17 +6,17 @@ from dataclasses import replace
 
 import pytest
 
-from sbpc.compiler.capture import capture
-from sbpc.compiler.hints import PipelineConfig, glob_match, load_config
+from sbpc.compiler.frontend.capture import capture
+from sbpc.compiler.frontend.hints import PipelineConfig, glob_match, load_config
 from sbpc.compiler.ir.types import Graph, InputKind, OutputKind, Role
 from sbpc.compiler.ir.verify import verify
-from sbpc.compiler.mesh import parse_mesh
-from sbpc.compiler.model_loader import load_model
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.frontend.model_loader import load_model
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import CommonSubexpressionElimination, DeadCodeElimination, Decompose, Normalize
 from sbpc.compiler.passes.stage_partition import StagePartition, param_chunks, stage_summary
-from sbpc.compiler.stage_policy import CostBalanced, RooflineCost, layer_key, profile
+from sbpc.compiler.pipelining.stage_policy import CostBalanced, RooflineCost, layer_key, profile
 from sbpc.errors import CompileError, UsageError
 
 STAGED_MODEL = '''

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
-from sbpc.compiler.mesh import Mesh
+from sbpc.compiler.ir.mesh import Mesh
 from sbpc.runtime.plan import DTYPES, PipelineSpec
 from sbpc.runtime.sbp import NdSbp, local_shape
 

@@ -7,7 +7,7 @@ inside the tensor's rank.
 """
 from __future__ import annotations
 
-from sbpc.compiler.aten import is_mutating
+from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
 from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.boxing_plan import plan_boxing
-from sbpc.compiler.hint_op import OP as HINT_OP
+from sbpc.compiler.sbp.boxing_plan import plan_boxing
+from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.sbp import NdSbp, format_nd_sbp

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, Node, Role
-from sbpc.compiler.mesh import MICROBATCH, Mesh
+from sbpc.compiler.ir.mesh import MICROBATCH, Mesh
 from sbpc.runtime.sbp import Broadcast
 
 OP = "sbpc.all_reduce_coalesced"

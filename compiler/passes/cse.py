@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpc.compiler.aten import is_random
+from sbpc.compiler.ir.aten import is_random
 from sbpc.compiler.ir.types import Graph, Node, rename_uses
 
 

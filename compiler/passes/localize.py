@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, Node
 from sbpc.compiler.passes.boxing import COLLECTIVES
-from sbpc.compiler.sbp_rules import RuleBook
+from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.runtime.sbp import Broadcast
 
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.boxing_plan import boxing_cost
-from sbpc.compiler.cost_model import AlphaBeta, CostModel
-from sbpc.compiler.hint_op import OP as HINT_OP
-from sbpc.compiler.hints import parse_spec_string
-from sbpc.compiler.layer_classes import LayerClasses, layer_classes
-from sbpc.compiler.mesh import MICROBATCH
+from sbpc.compiler.sbp.boxing_plan import boxing_cost
+from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
+from sbpc.compiler.frontend.hint_op import OP as HINT_OP
+from sbpc.compiler.frontend.hints import parse_spec_string
+from sbpc.compiler.sbp.layer_classes import LayerClasses, layer_classes
+from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
-from sbpc.compiler.sbp_refine import RefinementMoves, partials as _partials
-from sbpc.compiler.sbp_layout import Layouts, NdSignature
-from sbpc.compiler.sbp_rules import RuleBook
+from sbpc.compiler.sbp.refine import RefinementMoves, partials as _partials
+from sbpc.compiler.sbp.layout import Layouts, NdSignature
+from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, rename_uses
-from sbpc.compiler.cost_model import AlphaBeta, CostModel
-from sbpc.compiler.mesh import MICROBATCH
-from sbpc.compiler.schedule_sim import Simulation, TaskCost, simulate
+from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
+from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.pipelining.schedule_sim import Simulation, TaskCost, simulate
 from sbpc.errors import CompileError, PlanError
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, TaskGraph, replay
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef

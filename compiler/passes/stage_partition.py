@@ -2,7 +2,7 @@
 
 There are ``pp * virtual_stages`` chunks; ``Node.stage`` is the chunk, and chunk c runs on
 pp stage c % pp. Forward ops may arrive with a chunk from a stage hint (``sbpc.stage`` in
-code or ``[stages]`` in the config); a policy (``compiler/stage_policy.py``) cuts the rest
+code or ``[stages]`` in the config); a policy (``compiler/pipelining/stage_policy.py``) cuts the rest
 into contiguous groups. The rules every result obeys, and ``check_stages`` enforces:
 
 - along a forward data edge the chunk never decreases: no value goes back to an earlier chunk;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
-from sbpc.compiler.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, first_readers,
+from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, first_readers,
                                         in_flight, layer_key, optimizer_owners, profile)
 from sbpc.errors import CompileError, UsageError
 

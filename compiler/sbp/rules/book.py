@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from sbpc.compiler.ir.types import Node, Ref, TensorType
-from sbpc.compiler.rules.dsl import LITERALS, Rule, parse_rules, rules_error
-from sbpc.compiler.rules import vocab  # noqa: F401 - registers the vocab-parallel and loss families
-from sbpc.compiler.rules.families import FAMILIES, LOCALIZERS, LocCtx, SigCtx
-from sbpc.compiler.rules.loops import B, Cand, enumerate_loops, norm_dim
+from sbpc.compiler.sbp.rules.dsl import LITERALS, Rule, parse_rules, rules_error
+from sbpc.compiler.sbp.rules import vocab  # noqa: F401 - registers the vocab-parallel and loss families
+from sbpc.compiler.sbp.rules.families import FAMILIES, LOCALIZERS, LocCtx, SigCtx
+from sbpc.compiler.sbp.rules.loops import B, Cand, enumerate_loops, norm_dim
 from sbpc.errors import CompileError
 from sbpc.runtime.backend import torch_op
 from sbpc.runtime.sbp import NdSbp, Partial, Sbp, Split, divides

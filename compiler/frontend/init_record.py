@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sbpc.compiler.fx_import import MAX_CONSTANT_NUMEL, caller_location, convert_arg, tensor_type
+from sbpc.compiler.frontend.fx_import import MAX_CONSTANT_NUMEL, caller_location, convert_arg, tensor_type
 from sbpc.compiler.ir.types import DType, GraphOutput, Node, OutputKind, Ref, Role, SourceLoc
 from sbpc.errors import CaptureError
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sbpc.compiler.ir.types import DTYPES, DType, Node, Ref, Sym, TensorType
-from sbpc.compiler.rules.book import RuleBook, Signature
+from sbpc.compiler.sbp.rules.book import RuleBook, Signature
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.sbp import Partial, Split, local_shape
 from sbpc.runtime.shard_ops import KERNELS
@@ -96,7 +96,7 @@ def _kernel(op: str, topology: Topology | None):
 
 
 def is_random(op: str) -> bool:
-    from sbpc.compiler.aten import is_random as random_op
+    from sbpc.compiler.ir.aten import is_random as random_op
     return random_op(op)
 
 

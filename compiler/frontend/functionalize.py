@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.aten import functional_variant, returns_alias
+from sbpc.compiler.ir.aten import functional_variant, returns_alias
 from sbpc.compiler.ir.types import Node, Ref, rename_uses
 
 

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import numpy as np
 
-from sbpc.compiler.aten import returns_alias
-from sbpc.compiler.cost_model import AlphaBeta, CostModel
+from sbpc.compiler.ir.aten import returns_alias
+from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Ref, Role, TensorType
 from sbpc.errors import CompileError
 

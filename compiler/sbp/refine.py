@@ -7,7 +7,7 @@ search is deterministic.
 """
 from __future__ import annotations
 
-from sbpc.compiler.sbp_layout import NdSignature
+from sbpc.compiler.sbp.layout import NdSignature
 from sbpc.runtime.sbp import NdSbp, Partial
 
 

@@ -43,7 +43,7 @@ def hint_inputs(inputs, hints) -> list:
 
     Returns the nodes to put first in the graph; the caller renames the input's uses to them.
     """
-    from sbpc.compiler.hints import format_spec
+    from sbpc.compiler.frontend.hints import format_spec
     from sbpc.compiler.ir.types import Node, Ref, Role, SourceLoc
 
     nodes = []

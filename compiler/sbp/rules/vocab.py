@@ -7,8 +7,8 @@ global denominator (mean: a 1/k scale, or no split at all).
 """
 from __future__ import annotations
 
-from sbpc.compiler.rules.families import family
-from sbpc.compiler.rules.loops import B, Cand, Loops, letters
+from sbpc.compiler.sbp.rules.families import family
+from sbpc.compiler.sbp.rules.loops import B, Cand, Loops, letters
 from sbpc.runtime.sbp import Partial, Split
 
 def _masked_axes(lc, a, want) -> list[str]:
@@ -112,6 +112,6 @@ def mse_loss(c, self, target, reduction):
 
 @family("mse_loss_backward", _mse_bwd_loc)
 def mse_loss_backward(c, grad_output, self, target, reduction):
-    from sbpc.compiler.rules.families import elementwise
+    from sbpc.compiler.sbp.rules.families import elementwise
 
     return elementwise(c, grad_output, self, target)

@@ -21,16 +21,16 @@ from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preser
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sbpc.compiler.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
-from sbpc.compiler.functionalize import functionalize
-from sbpc.compiler.hint_op import hint_op, hint_inputs
-from sbpc.compiler.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig, format_spec
-from sbpc.compiler.init_record import InitRecorder
+from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
+from sbpc.compiler.frontend.functionalize import functionalize
+from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
+from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig, format_spec
+from sbpc.compiler.frontend.init_record import InitRecorder
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, rename_uses
-from sbpc.compiler.aten import is_mutating
-from sbpc.compiler.mesh import Mesh
-from sbpc.compiler.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
-from sbpc.compiler.optim import OptimizerConfig, append_optimizer
+from sbpc.compiler.ir.aten import is_mutating
+from sbpc.compiler.ir.mesh import Mesh
+from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
+from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
 from sbpc.runtime.model_file import model_name
 from sbpc.errors import CaptureError, ModelError, SbpcError
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sbpc.compiler.ir.types import Ref
-from sbpc.compiler.rules.loops import B, Cand, Loops, dim_list, letters, norm_dim, view_groups
+from sbpc.compiler.sbp.rules.loops import B, Cand, Loops, dim_list, letters, norm_dim, view_groups
 from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Partial, Split, local_shape
 
@@ -35,7 +35,7 @@ class SigCtx:
         self.node, self.bind, self.shapes, self.parts = node, bind, shapes, parts
 
     def value(self, a) -> Any:
-        from sbpc.compiler.rules.dsl import LITERALS
+        from sbpc.compiler.sbp.rules.dsl import LITERALS
 
         if a.kind != "name":
             return a.value
@@ -66,7 +66,7 @@ class LocCtx:
         self.scale = 1.0  # the output is multiplied by this afterwards
 
     def value(self, a) -> Any:
-        from sbpc.compiler.rules.dsl import LITERALS
+        from sbpc.compiler.sbp.rules.dsl import LITERALS
 
         if a.kind != "name":
             return a.value

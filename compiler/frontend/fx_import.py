@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Node, Ref, Role, SourceLoc, Sym, TensorType
-from sbpc.compiler.model_loader import display_path
+from sbpc.compiler.frontend.model_loader import display_path
 from sbpc.errors import CaptureError
 
 MODULE_KEY = "sbpc_module"
@@ -26,7 +26,7 @@ MAX_CONSTANT_NUMEL = 4096
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 _NOT_IDENT = re.compile(r"[^A-Za-z0-9_]")
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package root
 _SBPC_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("compiler", "runtime"))
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sbpc.compiler.model_loader import ModelSource
-from sbpc.compiler.optim import OptimizerConfig
+from sbpc.compiler.frontend.model_loader import ModelSource
+from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.plan import Plan
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
@@ -128,7 +128,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
 
 def check_worker(payload: dict) -> CheckReport | None:
     """One rank of a multi-device check (a ``runtime.launch`` target)."""
-    from sbpc.compiler.model_loader import load_model
+    from sbpc.compiler.frontend.model_loader import load_model
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.dist import init_distributed
     from sbpc.runtime.plan import load_plan
@@ -154,4 +154,4 @@ def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: 
         path = os.path.join(tmp, "plan.json")
         save_plan(plan, path)
         payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout)
-        return launch(plan.world_size, "sbpc.compiler.check:check_worker", payload, timeout=timeout)[0]
+        return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout)[0]

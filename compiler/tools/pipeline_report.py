@@ -1,7 +1,7 @@
 """What `sbpc inspect --schedule` and `sbpc compile --trace` show of a pipelined plan."""
 from __future__ import annotations
 
-from sbpc.compiler.schedule_sim import Simulation, simulate
+from sbpc.compiler.pipelining.schedule_sim import Simulation, simulate
 from sbpc.runtime.pipeline import plan_task_graph
 from sbpc.runtime.pipeline_tasks import Task, fmt
 from sbpc.runtime.plan import Plan

@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sbpc.compiler.mesh import KNOWN_AXES
+from sbpc.compiler.ir.mesh import KNOWN_AXES
 from sbpc.errors import UsageError
 from sbpc.runtime.sbp import Sbp, parse_sbp
 
@@ -270,7 +270,7 @@ class HintRecorder:
     def shard(self, tensor, axes: dict, where: str):
         import torch
 
-        from sbpc.compiler.hint_op import hint_op
+        from sbpc.compiler.frontend.hint_op import hint_op
 
         hint = Hint(parse_axes(axes, where), where)
         if isinstance(tensor, torch.nn.Parameter):

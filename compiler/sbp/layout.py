@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from sbpc.compiler.hint_op import OP as HINT_OP
+from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import Graph, Node, TensorType
-from sbpc.compiler.sbp_rules import RuleBook, Signature
+from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides
 
 MAX_CANDIDATES = 64

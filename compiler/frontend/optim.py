@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sbpc.compiler.fx_import import import_fx
+from sbpc.compiler.frontend.fx_import import import_fx
 from sbpc.compiler.ir.types import DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType, map_refs
 from sbpc.errors import CompileError
 

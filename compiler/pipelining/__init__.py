@@ -1,0 +1,1 @@
+"""Pipelining: the stage policy (cost-balanced partition) and the schedule simulation with its deadlock proof."""
