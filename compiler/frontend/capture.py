@@ -26,7 +26,7 @@ from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig, format_spec
 from sbpc.compiler.frontend.init_record import InitRecorder
-from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, rename_uses
+from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
 from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
@@ -81,7 +81,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
                              hint="remove it, or freeze it with requires_grad_(False)")
         outputs.append(GraphOutput(OutputKind.GRAD, value(g), fqn))
     grad_of = {o.name: o.value for o in outputs if o.kind == OutputKind.GRAD}
-    made_at = {o: n.loc for n in init_nodes for o in n.outputs}
+    made_at = {v: init_nodes[i].loc for v, i in producers(init_nodes).items()}
     created = {o.name: made_at.get(o.value) for o in init_outputs}
     plist = [(i.name, i.value, i.type, grad_of[i.name], created.get(i.name)) for i in inputs if i.kind == InputKind.PARAM]
     append_optimizer(optimizer, plist, inputs, nodes, outputs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.runtime.plan import DTYPES, PipelineSpec
@@ -165,6 +165,20 @@ def rename_uses(n: Node, fn: Callable[[str], str]) -> Node:
     return replace(n, args=map_refs(n.args, fn), kwargs=map_refs(n.kwargs, fn))
 
 
+def producers(nodes: Sequence[Node]) -> dict[str, int]:
+    """Value name -> the index of the node that makes it (graph inputs are not in it)."""
+    return {o: i for i, n in enumerate(nodes) for o in n.outputs}
+
+
+def users(nodes: Sequence[Node]) -> dict[str, list[int]]:
+    """Value name -> the indices of the nodes that read it, each node once, in program order."""
+    out: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for u in dict.fromkeys(n.uses()):
+            out.setdefault(u, []).append(i)
+    return out
+
+
 def _refs(args: Any) -> Iterator[str]:
     for a in args:
         if isinstance(a, Ref):
@@ -206,6 +220,14 @@ class Graph:
         for n in self.nodes:
             types.update(zip(n.outputs, n.types))
         return types
+
+    def producers(self) -> dict[str, int]:
+        """Value name -> the index in ``nodes`` of the node that makes it."""
+        return producers(self.nodes)
+
+    def users(self) -> dict[str, list[int]]:
+        """Value name -> the indices in ``nodes`` of its readers, each once, in program order."""
+        return users(self.nodes)
 
     def outputs_of(self, kind: OutputKind) -> list[GraphOutput]:
         return [o for o in self.outputs if o.kind == kind]

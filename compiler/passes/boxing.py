@@ -41,7 +41,7 @@ class _Inserter:
         self.boxed: dict[tuple[str, NdSbp], str] = {}
         self.rename: dict[str, str] = {}
         self.fresh = FreshNames(set(self.types))
-        self.made_at = {o: n.loc for n in graph.nodes for o in n.outputs}
+        self.made_at = {v: graph.nodes[i].loc for v, i in graph.producers().items()}
         self.out: list[Node] = []
 
     def run(self) -> Graph:

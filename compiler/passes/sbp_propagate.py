@@ -131,11 +131,7 @@ class _Solver(RefinementMoves):
         memo = memo if memo is not None else {}
         if "index" not in memo:  # the graph's structure, shared by the solvers of one graph
             uses = [list(n.uses()) for n in graph.nodes]
-            producer = {o: idx for idx, n in enumerate(graph.nodes) for o in n.outputs}
-            consumers: dict[str, list[int]] = {}
-            for idx, us in enumerate(uses):
-                for v in dict.fromkeys(us):
-                    consumers.setdefault(v, []).append(idx)
+            producer, consumers = graph.producers(), graph.users()
             # per op: each value it uses once, with the positions it takes it at
             at = [[(v, tuple(p for p, u in enumerate(us) if u == v)) for v in dict.fromkeys(us)] for us in uses]
             memo["index"] = uses, producer, consumers, at

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, rename_uses
+from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses, users
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.pipelining.schedule_sim import Simulation, TaskCost, simulate
@@ -87,7 +87,7 @@ class _Cutter:
         self.sbp = {i.value: i.sbp for i in graph.inputs}
         for n in graph.nodes:
             self.sbp.update(zip(n.outputs, n.sbp or []))
-        self.producer = {o: i for i, n in enumerate(graph.nodes) for o in n.outputs}
+        self.producer = graph.producers()
         self.fresh = FreshNames(set(self.sbp) | set(self.producer))
 
     def per_mb(self, v: str) -> bool:
@@ -113,10 +113,7 @@ class _Cutter:
                                    hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
         role = [n.role for n in nodes]
         ancestors_bwd = self._reaches_backward(nodes)
-        readers: dict[str, list[int]] = {}
-        for i, n in enumerate(nodes):
-            for u in dict.fromkeys(n.uses()):
-                readers.setdefault(u, []).append(i)
+        readers = users(nodes)
         for i, n in enumerate(nodes):
             if not self._is_mb_reduce(n):
                 continue
@@ -177,7 +174,7 @@ class _Cutter:
         """The once-a-step phase recomputes the per-step values it reads from a micro-batch
         phase (positions, weight transposes, a summed count): the same in every micro-batch,
         so reading one of them would be right, but it would tie the optimizer to a firing."""
-        producer = {o: n for n in nodes for o in n.outputs}
+        producer = {v: nodes[i] for v, i in producers(nodes).items()}
         clones: dict[tuple[str, int], str] = {}
         out: list[Node] = []
 
@@ -207,12 +204,12 @@ class _Cutter:
     # ----- what leaves the step
     def _accumulate_outputs(self, nodes: list[Node]) -> tuple[list[Node], list]:
         acc = {n.args[0].name: n.outputs[0] for n in nodes if n.op == ACCUMULATE}
-        producer = {o: n for n in nodes for o in n.outputs}
+        producer = producers(nodes)
         outputs, extra = [], []
         for o in self.g.outputs:
             if o.kind in (OutputKind.LOSS, OutputKind.GRAD) and self.per_mb(o.value):
                 if o.value not in acc:
-                    src = producer[o.value]
+                    src = nodes[producer[o.value]]
                     name = self.fresh(f"{o.value}_acc")
                     nd = tuple(Broadcast() if a == self.mb else s for a, s in enumerate(self.sbp[o.value]))
                     extra.append(Node([name], ACCUMULATE, (Ref(o.value),), {"reduce": "sum"}, [src.types[0]],
@@ -302,11 +299,8 @@ class _Cutter:
     def _replica_updates(self, nodes: list[Node], outputs) -> tuple[list[Node], list]:
         """A param read on chunks other than the one that updates it receives the new value."""
         updates = {o.name: o.value for o in outputs if o.kind == OutputKind.UPDATE}
-        made_on = {o: n for n in nodes for o in n.outputs}
-        readers_of: dict[str, set[int]] = {}
-        for n in nodes:
-            for u in n.uses():
-                readers_of.setdefault(u, set()).add(n.stage or 0)
+        made_on = {v: nodes[i] for v, i in producers(nodes).items()}
+        readers_of = {v: {nodes[i].stage or 0 for i in ix} for v, ix in users(nodes).items()}
         extra = []
         for p in self.g.inputs_of(InputKind.PARAM):
             readers = sorted(readers_of.get(p.value, ()))

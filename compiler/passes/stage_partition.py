@@ -50,7 +50,7 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
     nodes = graph.nodes
     role = [n.role for n in nodes]
     fwd = [r == Role.FORWARD for r in role]
-    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
+    producer = graph.producers()
     preds = [sorted({producer[u] for u in n.uses() if u in producer}) for n in nodes]
     readers: list[list[int]] = [[] for _ in nodes]
     for i, ps in enumerate(preds):
@@ -190,8 +190,9 @@ def _backward(nodes, role, preds, readers, stage, chunks) -> None:
 
 def check_stages(graph: Graph, num_chunks: int) -> None:
     """The placement rules (see the module doc); a violation names the op and its line."""
-    stage = {o: n.stage for n in graph.nodes for o in n.outputs}
-    role = {o: n.role for n in graph.nodes for o in n.outputs}
+    made = {v: graph.nodes[i] for v, i in graph.producers().items()}
+    stage = {v: n.stage for v, n in made.items()}
+    role = {v: n.role for v, n in made.items()}
     used = [0] * num_chunks
     for n in graph.nodes:
         if n.stage is None or not 0 <= n.stage < num_chunks:
@@ -216,15 +217,12 @@ def check_stages(graph: Graph, num_chunks: int) -> None:
 def param_chunks(graph: Graph) -> dict[str, set[int]]:
     """Param value -> the chunks whose forward or backward ops read it (through ``sbpc.hint``
     ops). More than one chunk: a tied weight, which each of them must hold."""
-    readers: dict[str, list[Node]] = {}
-    for n in graph.nodes:
-        for u in n.uses():
-            readers.setdefault(u, []).append(n)
+    readers = graph.users()
     out = {}
     for p in graph.inputs_of(InputKind.PARAM):
         chunks, todo = set(), [p.value]
         while todo:
-            for n in readers.get(todo.pop(), []):
+            for n in (graph.nodes[i] for i in readers.get(todo.pop(), [])):
                 if n.op == "sbpc.hint":
                     todo.extend(n.outputs)
                 elif n.role in (Role.FORWARD, Role.BACKWARD) and n.stage is not None:
