@@ -147,7 +147,7 @@ def cmd_check(args) -> int:
     result, source, optimizer = _compile(args)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
-                                timeout=args.timeout)
+                                timeout=args.timeout, ranks=args.ranks)
     else:
         runner = make_runner(result.plan, make_backend("cpu"), seed=args.seed)
         report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--tolerance", type=float, default=1e-5, help="max relative deviation allowed (default 1e-5)")
     k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
+    k.add_argument("--ranks", choices=["processes", "threads"], default="processes",
+                   help="run the ranks of a multi-device check as gloo processes (default) or as threads of this "
+                        "process (no interpreter per rank; for quick checks, see docs/runtime.md)")
     k.set_defaults(fn=cmd_check)
     e = sub.add_parser("explain", help="say why a value or parameter of a plan has its SBP")
     e.add_argument("plan")

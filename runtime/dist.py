@@ -72,11 +72,17 @@ def init_process_group(timeout: float) -> None:
     _State.store, _State.timeout = store, timeout
 
 
-def init_distributed(mesh, *, timeout: float) -> GlooCommunicator:
+def init_distributed(mesh, *, timeout: float) -> Communicator:
     """Join the process group (from the environment) and build the communicator of ``mesh``:
     a Plan, a Topology, or ``[(axis, size), ...]`` in rank order. Refuses a WORLD_SIZE that is
-    not the mesh's device count before touching the network."""
+    not the mesh's device count before touching the network. In a rank thread of
+    ``runtime.threads.launch_threads`` the communicator is that run's ``ThreadCommunicator``."""
+    from sbpc.runtime.threads import rank_thread_communicator
+
     axes = mesh_axes(mesh)
+    in_process = rank_thread_communicator(axes, timeout)
+    if in_process is not None:
+        return in_process
     world = 1
     for _, size in axes:
         world *= size

@@ -19,6 +19,9 @@ failed first:
 - a rank that died without a word as ``rank N exited with code C`` / ``was killed by SIGKILL``;
 - a rank that hangs makes its peers' collectives time out after ``timeout`` seconds; those
   ranks fail, the hung one is still running, and the error names it: ``rank N hung``.
+
+``launch(..., ranks="threads")`` runs the ranks as threads of this process instead
+(``runtime.threads``): same target, same results and errors, no interpreter per rank.
 """
 from __future__ import annotations
 
@@ -34,10 +37,10 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from sbpc import errors as _errors
-from sbpc.errors import RuntimeFailure, SbpcError
+from sbpc.errors import RuntimeFailure, SbpcError, UsageError
 
 _BOOT = "from sbpc.runtime.launch import worker_main; worker_main()"
 
@@ -56,16 +59,29 @@ def default_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+RankMode = Literal["processes", "threads"]
+RANK_MODES: tuple[RankMode, ...] = ("processes", "threads")
+
+
 def launch(world_size: int, target: str, payload: dict, *, timeout: float, grace: float = 3.0,
            on_output: Callable[[int, str], None] | None = None, echo_stderr: bool = False,
-           threads: int | None = None) -> list[Any]:
+           threads: int | None = None, ranks: RankMode = "processes") -> list[Any]:
     """Run ``target(payload)`` on ``world_size`` local ranks joined over gloo; return each
     rank's return value, in rank order. ``timeout`` bounds the rendezvous and every
     collective. ``on_output(rank, line)`` receives the ranks' stdout lines as they come
     (default: rank 0's to stdout, the others' prefixed ``[rank N]``); stderr is kept for error
-    reports (and echoed to stderr with ``echo_stderr``)."""
+    reports (and echoed to stderr with ``echo_stderr``). ``ranks="threads"`` runs the ranks as
+    threads of this process instead (``runtime.threads.launch_threads``, same contract)."""
     import torch.distributed as dist
 
+    if ranks not in RANK_MODES:
+        raise UsageError(f"ranks {ranks!r} is not one of {', '.join(RANK_MODES)}",
+                         hint="processes: one gloo process per rank; threads: every rank in this process")
+    if ranks == "threads":
+        from sbpc.runtime.threads import launch_threads
+
+        return launch_threads(world_size, target, payload, timeout=timeout, grace=grace, on_output=on_output,
+                              threads=threads)
     if world_size < 1:
         raise RuntimeFailure(f"cannot launch {world_size} ranks")
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -178,23 +194,36 @@ def _failure(ranks: list[_Rank], tmp: str, hung: list[int], timeout: float) -> E
         path = os.path.join(tmp, f"rank{r.rank}.err")
         if os.path.exists(path):
             records[r.rank] = _load(path)
-    order = lambda rank: (records[rank]["time"] if rank in records else ranks[rank].exit_time or 0.0, rank)  # noqa: E731
-    primary = [r for r in records if not records[r]["secondary"]]
     died = [r.rank for r in ranks if r.rank not in hung and r.rank not in records and r.proc.returncode not in (0, None)]
+    return pick_failure(records, hung, timeout, died=_died(ranks[min(died, key=lambda k: (ranks[k].exit_time or 0.0, k))])
+                        if died else None) or RuntimeFailure("a rank failed without a trace")
+
+
+def _died(r: _Rank) -> RuntimeFailure:
+    code = r.proc.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    last = next((line.strip() for line in reversed(r.stderr) if line.strip()), "")
+    err = RuntimeFailure(f"rank {r.rank} {how} without reporting an error" + (f": {last}" if last else ""),
+                         hint="the other ranks were stopped; a signal often means the rank ran out of memory",
+                         detail="".join(r.stderr) or None)
+    err.rank = r.rank
+    return err
+
+
+def pick_failure(records: dict[int, dict], hung: list[int], timeout: float,
+                 died: Exception | None = None) -> Exception | None:
+    """The error of a failed launch from the ranks' ``error_record``s (shared by processes and
+    rank threads): a rank's own error before peers' broken collectives, the earliest first
+    and, when several ranks raised the same message, the lowest rank; then ``died`` (a rank
+    that ended without a record); then a hung rank, named by the peer that waited for it."""
+    order = lambda rank: (records[rank]["time"], rank)  # noqa: E731
+    primary = [r for r in records if not records[r]["secondary"]]
     if primary:
         first = records[min(primary, key=order)]
         same = [r for r in primary if records[r]["message"] == first["message"]]  # all ranks hit the same error
         return _from_record(records[min(same)])
-    if died:
-        r = ranks[min(died, key=lambda k: (ranks[k].exit_time or 0.0, k))]
-        code = r.proc.returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        last = next((line.strip() for line in reversed(r.stderr) if line.strip()), "")
-        err = RuntimeFailure(f"rank {r.rank} {how} without reporting an error" + (f": {last}" if last else ""),
-                             hint="the other ranks were stopped; a signal often means the rank ran out of memory",
-                             detail="".join(r.stderr) or None)
-        err.rank = r.rank
-        return err
+    if died is not None:
+        return died
     if hung:
         waiting = sorted(records)
         named = [records[r]["peer"] for r in sorted(waiting, key=order) if records[r].get("peer") in hung]
@@ -205,7 +234,7 @@ def _failure(ranks: list[_Rank], tmp: str, hung: list[int], timeout: float) -> E
                              hint="raise --timeout if the rank is only slow; --debug shows each rank's stderr")
         err.rank = culprit
         return err
-    return _from_record(records[min(records, key=order)]) if records else RuntimeFailure("a rank failed without a trace")
+    return _from_record(records[min(records, key=order)]) if records else None
 
 
 def _from_record(rec: dict) -> Exception:

@@ -8,7 +8,8 @@ build_model()``, which must agree bit for bit.
 
 On a mesh of many devices every rank runs the plan on its shards; gradients and parameters
 are gathered back to logical tensors (``Runner.gather``) and rank 0 compares them with eager
-PyTorch on the whole batch. ``check_on_ranks`` spawns the ranks over gloo.
+PyTorch on the whole batch. ``check_on_ranks`` spawns the ranks over gloo (or runs them as
+threads of this process: ``ranks="threads"``).
 """
 from __future__ import annotations
 
@@ -142,8 +143,9 @@ def check_worker(payload: dict) -> CheckReport | None:
 
 
 def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: int, tolerance: float,
-                   timeout: float = 300) -> CheckReport:
-    """Run ``check_worker`` on one local process per device of the plan's mesh."""
+                   timeout: float = 300, ranks: str = "processes") -> CheckReport:
+    """Run ``check_worker`` on one local process per device of the plan's mesh (gloo), or with
+    ``ranks="threads"`` on one thread per device of this process (``runtime.threads``)."""
     import os
     import tempfile
 
@@ -154,4 +156,5 @@ def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: 
         path = os.path.join(tmp, "plan.json")
         save_plan(plan, path)
         payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout)
-        return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout)[0]
+        return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout,
+                      ranks=ranks)[0]
