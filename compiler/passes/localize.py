@@ -29,18 +29,26 @@ class Localize:
         rules = self.rules or RuleBook.load()
         nodes: list[Node] = []
         for n in graph.nodes:
-            if n.op in COLLECTIVES or _replicated(n):
+            if n.op in COLLECTIVES:
                 nodes.append(n)
+            elif _replicated(n):  # same arguments, but its input may come from a collective
+                nodes.append(_reshape(n))
             else:
                 nodes.extend(_reshape(m) for m in rules.localize(n, list(n.sbp_in or []), list(n.sbp or []), sizes, axes))
         return replace(graph, nodes=nodes)
 
 
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default")
+
+
 def _reshape(n: Node) -> Node:
-    """A shard's strides are not the logical tensor's (a kernel may lay out a one-head shard
-    differently), so a view that was legal on the whole tensor may not be on the shard. The
-    graph is functional, so reshape (a copy only where needed) computes the same value."""
-    return replace(n, op="aten.reshape.default") if n.op == "aten.view.default" else n
+    """A device's tensors do not have the strides the trace saw: shards, and the contiguous
+    results of collectives, are laid out afresh, and kernels such as CPU flash attention lay out
+    their output like their input. So a view that was legal in the trace may not be on a device,
+    even of a replicated value (e.g. ``permute(2, 0, 1, 3).view`` after attention on gathered
+    heads, where the trace's ``contiguous()`` was a no-op and left no copy). The graph is
+    functional, so reshape (a copy only where needed) computes the same value."""
+    return replace(n, op="aten.reshape.default") if n.op in _VIEWS else n
 
 
 def _replicated(n: Node) -> bool:
