@@ -1,6 +1,10 @@
-"""Hugging Face Llama (GQA: 4 query heads, 2 key/value heads; RoPE, RMSNorm, SwiGLU), built from a
-tiny config with random weights (no download). The model is unmodified; this file adapts it to
-the sbpc model contract. Attention is whatever Hugging Face picks by default (sdpa)."""
+"""Hugging Face Llama (GQA: 4 query heads sharing 2 key/value heads; RoPE, RMSNorm, SwiGLU),
+built from a small config with random weights (no download).
+
+The model is unmodified; this file only adapts it to the sbpc model contract. Attention is
+whatever Hugging Face picks by default (sdpa). ``examples/hf_llama.megatron.toml`` is its
+Megatron tensor parallelism.
+"""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -11,7 +15,7 @@ def _config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=16
                        max_position_embeddings=seq, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 
 
-class WithLoss(torch.nn.Module):
+class LlamaWithLoss(torch.nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.model = LlamaForCausalLM(cfg)
@@ -21,7 +25,7 @@ class WithLoss(torch.nn.Module):
 
 
 def build_model(**kw):
-    return WithLoss(_config(**kw))
+    return LlamaWithLoss(_config(**kw))
 
 
 def example_batch(batch_size, **kw):
