@@ -41,6 +41,7 @@ from typing import Any, Callable, Literal
 
 from sbpc import errors as _errors
 from sbpc.errors import RuntimeFailure, SbpcError, UsageError
+from sbpc.runtime.files import atomic_path
 
 _BOOT = "from sbpc.runtime.launch import worker_main; worker_main()"
 
@@ -263,10 +264,8 @@ def error_record(rank: int, err: BaseException) -> dict:
 
 
 def _dump(obj, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         pickle.dump(obj, f)
-    os.replace(tmp, path)
 
 
 def worker_main() -> None:

@@ -17,6 +17,7 @@ from typing_extensions import TypeAliasType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sbpc.errors import PlanError
+from sbpc.runtime.files import write_atomic
 
 SCHEMA_VERSION = 2
 
@@ -203,11 +204,7 @@ def mesh_coords(axes: list[tuple[str, int]], rank: int) -> dict[str, int]:
 
 
 def save_plan(plan: Plan, path: str) -> None:
-    """Write atomically: a crash never leaves a half-written plan behind."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(plan.model_dump_json())
-    os.replace(tmp, path)
+    write_atomic(path, plan.model_dump_json())
 
 
 def load_plan(path: str) -> Plan:

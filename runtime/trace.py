@@ -7,8 +7,9 @@ compile --trace``) write the same format, so the two can be laid side by side.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
+
+from sbpc.runtime.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,7 @@ def chrome_trace(spans: list[Span], track_names: dict[int, str], *, scale: float
 
 def write_trace(path: str, spans: list[Span], track_names: dict[int, str], *, scale: float = 1e6) -> None:
     """Write atomically: a crash never leaves half a trace behind."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(chrome_trace(spans, track_names, scale=scale), f)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(chrome_trace(spans, track_names, scale=scale)))
 
 
 def _category(name: str) -> str:

@@ -9,6 +9,7 @@ import torch
 from sbpc.errors import WeightsError
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
+from sbpc.runtime.files import atomic_path
 from sbpc.runtime.plan import Plan
 
 
@@ -62,12 +63,10 @@ def check_weights(tensors: dict, plan: Plan, path: str) -> dict[str, torch.Tenso
 
 
 def save_weights(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Atomic: write to a temporary file, then rename over the target."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
+    with atomic_path(path) as tmp:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-    else:
-        torch.save(tensors, tmp)
-    os.replace(tmp, path)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        else:
+            torch.save(tensors, tmp)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import collections
-import os
 from importlib import resources
 
 import jinja2
 
+from sbpc.runtime.files import write_atomic
 from sbpc.runtime.plan import Plan
 
 
@@ -20,7 +20,4 @@ def render_report(plan: Plan) -> str:
 
 
 def write_report(plan: Plan, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(render_report(plan))
-    os.replace(tmp, path)
+    write_atomic(path, render_report(plan))
