@@ -8,6 +8,7 @@ import sys
 
 from sbpc.errors import UsageError, guarded_main
 from sbpc.runtime.cli import ArgumentParser, add_run_arguments, run_command
+from sbpc.runtime.kinds import ScheduleName
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
     p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp, or the config's)")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", choices=[s.value for s in ScheduleName], help="pipeline schedule (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
                                                       "2 with --schedule interleaved)")
 
@@ -62,9 +63,9 @@ def pipeline_options(args, mesh, config):
 
     table = config.pipeline if config is not None else None
     pick = lambda flag, key: flag if flag is not None else getattr(table, key, None)
-    schedule = pick(args.schedule, "schedule") or "1f1b"
+    schedule = ScheduleName(pick(args.schedule, "schedule") or ScheduleName.ONE_F_ONE_B)
     virtual = pick(args.virtual_stages, "virtual_stages")
-    virtual = virtual if virtual is not None else (2 if schedule == "interleaved" else 1)
+    virtual = virtual if virtual is not None else (2 if schedule == ScheduleName.INTERLEAVED else 1)
     pp = mesh.size("pp")
     m = pick(args.microbatches, "microbatches")
     m = m if m is not None else pp
@@ -72,10 +73,10 @@ def pipeline_options(args, mesh, config):
         raise UsageError(f"--microbatches {m} must be at least 1")
     if virtual < 1:
         raise UsageError(f"--virtual-stages {virtual} must be at least 1")
-    if virtual > 1 and schedule != "interleaved":
+    if virtual > 1 and schedule != ScheduleName.INTERLEAVED:
         raise UsageError(f"--virtual-stages {virtual} needs --schedule interleaved",
                          hint="virtual stages are chunks of the interleaved 1F1B schedule")
-    if schedule == "interleaved" and m % pp:
+    if schedule == ScheduleName.INTERLEAVED and m % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches in groups of pp: {m} is not a multiple of {pp}",
                          hint=f"use --microbatches {pp * max(1, m // pp)}")
     return PipelineOptions(schedule=schedule, virtual_stages=virtual, microbatches=m)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sbpc.errors import PlanError
+from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import Partial, Split
 from sbpc.runtime.sharding import join_chunks, shard_of, take_chunk
 
@@ -134,12 +135,13 @@ def keep_first(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum"
     return shard_of(x, Partial(_reduce(reduce)), index, len(group))
 
 
-KERNELS = {
-    "sbpc.all_reduce": all_reduce,
-    "sbpc.all_reduce_coalesced": all_reduce_coalesced,
-    "sbpc.all_gather": all_gather,
-    "sbpc.reduce_scatter": reduce_scatter,
-    "sbpc.all_to_all": all_to_all,
-    "sbpc.shard_slice": shard_slice,
-    "sbpc.keep_first": keep_first,
+_KERNEL = {
+    Collective.ALL_REDUCE: all_reduce,
+    Collective.ALL_REDUCE_COALESCED: all_reduce_coalesced,
+    Collective.ALL_GATHER: all_gather,
+    Collective.REDUCE_SCATTER: reduce_scatter,
+    Collective.ALL_TO_ALL: all_to_all,
+    Collective.SHARD_SLICE: shard_slice,
+    Collective.KEEP_FIRST: keep_first,
 }
+KERNELS = {c.op: _KERNEL[c] for c in Collective}  # by op name; a kind without a kernel fails here

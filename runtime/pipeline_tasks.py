@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from sbpc.errors import PlanError
+from sbpc.runtime.kinds import ScheduleName
 
 PHASES = ("pre", "fwd", "bwd", "opt")
 PER_MICROBATCH = frozenset({"pre", "fwd", "bwd"})
@@ -191,7 +192,7 @@ def replay(graph: TaskGraph, order: list[list[Task]], device_of) -> None:
                 progress = True
     if len(done) < len(every):
         raise PlanError(_cycle_message(graph, order, pos, done, deps, device_of),
-                        hint="this order would hang; use a schedule sbpc derives (1f1b, gpipe, interleaved)")
+                        hint=f"this order would hang; use a schedule sbpc derives ({ScheduleName.names()})")
 
 
 def _cycle_message(graph, order, pos, done, deps, device_of) -> str:

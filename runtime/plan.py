@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sbpc.errors import PlanError
 from sbpc.runtime.files import write_atomic
+from sbpc.runtime.kinds import ScheduleName
 
 SCHEMA_VERSION = 2
 
@@ -127,7 +128,7 @@ class ReplicaUpdate(_Model):
 class PipelineSpec(_Model):
     """How the stage programs run as a pipeline: micro-batches, the per-device firing order
     (derived and proved deadlock-free by the compiler), and the activation regst counts."""
-    schedule: Literal["1f1b", "gpipe", "interleaved"]
+    schedule: ScheduleName
     microbatches: int
     stages: int  # pp: device stages; chunk c runs on stage c % stages
     virtual_stages: int  # chunks per device stage

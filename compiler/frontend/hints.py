@@ -24,15 +24,13 @@ import re
 import os
 import tomllib
 from dataclasses import dataclass, field
-from typing import Literal
 
 from sbpc.compiler.ir.mesh import KNOWN_AXES
 from sbpc.errors import UsageError
+from sbpc.runtime.kinds import ScheduleName
 from sbpc.runtime.sbp import Sbp, parse_sbp
 
 STAGE_KEY = "sbpc_stage"  # fx node meta ("custom") key of the chunk a `sbpc.stage` scope names
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
 _TABLES = ("params", "modules", "stages", "pipeline")
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
@@ -91,7 +89,7 @@ class PipelineConfig:
     """The ``[pipeline]`` table; None: not given (a command-line flag or the default decides)."""
 
     microbatches: int | None = None
-    schedule: Schedule | None = None
+    schedule: ScheduleName | None = None
     virtual_stages: int | None = None
     source: str = ""
 
@@ -213,12 +211,15 @@ def _pipeline(table: dict, path: str, lines: list[str]) -> PipelineConfig:
         if key in table and not _is_int(table[key], 1):
             raise UsageError(f"[pipeline] {key} must be an integer >= 1, not {table[key]!r}", location=where(key))
     schedule = table.get("schedule")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise UsageError(f"[pipeline] schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}",
-                         location=where("schedule"), hint="1f1b keeps the fewest micro-batches in flight")
+    if schedule is not None:
+        try:
+            schedule = ScheduleName(schedule)
+        except ValueError:
+            raise UsageError(f"[pipeline] schedule must be one of {ScheduleName.names()}, not {schedule!r}",
+                             location=where("schedule"), hint="1f1b keeps the fewest micro-batches in flight") from None
     v = table.get("virtual_stages")
-    if schedule is not None and v is not None and (schedule == "interleaved") != (v > 1):
-        raise UsageError(f"[pipeline] schedule = {schedule!r} does not go with virtual_stages = {v}",
+    if schedule is not None and v is not None and (schedule == ScheduleName.INTERLEAVED) != (v > 1):
+        raise UsageError(f"[pipeline] schedule = {schedule.value!r} does not go with virtual_stages = {v}",
                          location=where("virtual_stages"),
                          hint="virtual stages (> 1 chunk per device) need schedule = \"interleaved\", and it needs them")
     return PipelineConfig(table.get("microbatches"), schedule, v, source=path)

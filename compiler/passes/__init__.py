@@ -1,6 +1,8 @@
 """The passes, one per file, and the registry that names them."""
 from dataclasses import dataclass
 
+from sbpc.runtime.kinds import ScheduleName
+
 from sbpc.compiler.passes.boxing import Boxing
 from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
@@ -21,7 +23,7 @@ REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimina
 class PipelineOptions:
     """How a pipelined mesh runs: the schedule and the chunks per device stage. (The
     micro-batch count is the mesh's ``mb`` axis.)"""
-    schedule: str = "1f1b"
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
     microbatches: int = 1
 

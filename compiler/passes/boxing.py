@@ -19,9 +19,6 @@ from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKin
 from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 
-COLLECTIVES = frozenset(f"sbpc.{k}" for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                                               "shard_slice", "keep_first", "all_reduce_coalesced"))
-
 
 @dataclass
 class Boxing:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, Node, Role
 from sbpc.compiler.ir.mesh import MICROBATCH, Mesh
+from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import Broadcast
 
-OP = "sbpc.all_reduce_coalesced"
+OP = Collective.ALL_REDUCE_COALESCED.op
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Coalesce:
         nodes = list(graph.nodes)
         groups: dict[tuple, list[int]] = {}
         for i, n in enumerate(nodes):
-            if n.op == "sbpc.all_reduce" and n.role in (Role.BACKWARD, Role.OPTIMIZER) and n.kwargs.get("axis") != MICROBATCH:
+            if n.op == Collective.ALL_REDUCE.op and n.role in (Role.BACKWARD, Role.OPTIMIZER) and n.kwargs.get("axis") != MICROBATCH:
                 # a per-micro-batch reduction (an activation's gradient) never shares a bucket
                 # with a once-per-step one (an accumulated weight gradient)
                 key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sbpc.compiler.ir.types import Graph, Node
-from sbpc.compiler.passes.boxing import COLLECTIVES
 from sbpc.compiler.sbp.rules import RuleBook
+from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import Broadcast
 
 
@@ -29,7 +29,7 @@ class Localize:
         rules = self.rules or RuleBook.load()
         nodes: list[Node] = []
         for n in graph.nodes:
-            if n.op in COLLECTIVES:
+            if Collective.of(n.op) is not None:
                 nodes.append(n)
             elif _replicated(n):  # same arguments, but its input may come from a collective
                 nodes.append(_reshape(n))

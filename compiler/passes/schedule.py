@@ -27,22 +27,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses, users
+from sbpc.compiler.sbp.boxing_plan import SEQUENTIAL_STEPS
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.pipelining.schedule_sim import Simulation, TaskCost, simulate
 from sbpc.errors import CompileError, PlanError
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, TaskGraph, replay
+from sbpc.runtime.kinds import Collective, ScheduleName
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
 from sbpc.runtime.sbp import Broadcast, Split, local_shape
 
-_SEQUENTIAL_OK = {"sbpc.all_reduce", "sbpc.shard_slice", "sbpc.keep_first"}
+_SEQUENTIAL_OK = {k.op for k in SEQUENTIAL_STEPS}  # what may run over micro-batches
 _ORDER = {Role.PRE: 0, Role.FORWARD: 1, Role.BACKWARD: 2, Role.OPTIMIZER: 3}
 
 
 @dataclass
 class Schedule:
     name: str = "schedule"
-    schedule: str = "1f1b"
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
     cost: TaskCost | None = None  # durations for the simulation; unit cost when None
     cost_model: CostModel = field(default_factory=AlphaBeta)  # prices a transfer whole or split
@@ -73,7 +75,7 @@ def task_graph(graph: Graph) -> TaskGraph:
     return TaskGraph(items, outs, graph.mesh.microbatches)
 
 
-def simulate_graph(graph: Graph, schedule: str, virtual_stages: int, cost: TaskCost | None = None) -> Simulation:
+def simulate_graph(graph: Graph, schedule: ScheduleName, virtual_stages: int, cost: TaskCost | None = None) -> Simulation:
     return simulate(task_graph(graph), schedule, graph.mesh.size("pp"), virtual_stages, cost)
 
 
@@ -149,7 +151,7 @@ class _Cutter:
         return _stable_phase_sort(out)
 
     def _is_mb_reduce(self, n: Node) -> bool:
-        return n.op == "sbpc.all_reduce" and n.kwargs.get("axis") == MICROBATCH
+        return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH
 
     def _reaches_backward(self, nodes: list[Node]) -> dict[str, bool]:
         out: dict[str, bool] = {}
@@ -266,11 +268,11 @@ class _Cutter:
         axis = self.g.mesh.sbp_axes[a]
         names = [self.fresh(f"{u}_scatter"), self.fresh(f"{u}_from{src_chunk}"), self.fresh(f"{u}_gather")]
         nodes = [
-            Node([names[0]], "sbpc.shard_slice", (Ref(u),), {"axis": axis, "dim": d, "parts": 1}, [t], src.role,
+            Node([names[0]], Collective.SHARD_SLICE.op, (Ref(u),), {"axis": axis, "dim": d, "parts": 1}, [t], src.role,
                  loc=src.loc, stage=src_chunk, sbp=[cut], sbp_in=[nd], why=why + f", cut along {axis} to send 1/k"),
             Node([names[1]], TRANSFER, (Ref(names[0]),), {"src": src_chunk, "dst": here}, [t], reader.role,
                  loc=src.loc, stage=here, sbp=[cut], sbp_in=[cut], why=why),
-            Node([names[2]], "sbpc.all_gather", (Ref(names[1]),), {"axis": axis, "dim": d, "parts": 1}, [t], reader.role,
+            Node([names[2]], Collective.ALL_GATHER.op, (Ref(names[1]),), {"axis": axis, "dim": d, "parts": 1}, [t], reader.role,
                  loc=src.loc, stage=here, sbp=[nd], sbp_in=[cut], why=why + f", gathered along {axis} after receipt"),
         ]
         self.sbp.update({names[0]: cut, names[1]: cut, names[2]: nd})
@@ -289,8 +291,8 @@ class _Cutter:
             if not dims:
                 continue
             d = max(dims, key=lambda d: (local[d], d))
-            cost = (self.cost_model.collective("shard_slice", whole, k) + self.cost_model.transfer(whole // k)
-                    + self.cost_model.collective("all_gather", whole // k, k))
+            cost = (self.cost_model.collective(Collective.SHARD_SLICE, whole, k) + self.cost_model.transfer(whole // k)
+                    + self.cost_model.collective(Collective.ALL_GATHER, whole // k, k))
             if cost < best_cost:
                 best, best_cost = (a, d), cost
         return best

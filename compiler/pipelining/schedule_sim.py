@@ -27,9 +27,9 @@ from typing import Callable
 
 from sbpc.errors import CompileError
 from sbpc.runtime.pipeline_tasks import Task, TaskGraph, fmt
+from sbpc.runtime.kinds import ScheduleName
 
 TaskCost = Callable[[Task], float]
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 def unit_cost(virtual_stages: int) -> TaskCost:
@@ -67,23 +67,26 @@ class Simulation:
         return sum(1 - b / span for b in busy) / len(busy)
 
 
-def regsts(schedule: str, stage: int, stages: int, microbatches: int, virtual: int) -> int:
+def regsts(schedule: ScheduleName, stage: int, stages: int, microbatches: int, virtual: int) -> int:
     p, m, v, s = stages, microbatches, virtual, stage
-    if schedule == "gpipe":
+    if schedule == ScheduleName.GPIPE:
         return m * v
-    if schedule == "1f1b":
+    if schedule == ScheduleName.ONE_F_ONE_B:
         return min(p - s, m)
     return min(2 * (p - s - 1) + (v - 1) * p + 1, m * v)
 
 
-def simulate(graph: TaskGraph, schedule: str, stages: int, virtual: int, cost: TaskCost | None = None) -> Simulation:
-    if schedule not in SCHEDULES:
-        raise CompileError(f"unknown pipeline schedule {schedule!r}", hint="choose one of " + ", ".join(SCHEDULES))
+def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtual: int,
+             cost: TaskCost | None = None) -> Simulation:
+    try:
+        schedule = ScheduleName(schedule)
+    except ValueError:
+        raise CompileError(f"unknown pipeline schedule {schedule!r}", hint="choose one of " + ScheduleName.names()) from None
     cost = cost or unit_cost(virtual)
     p, m = stages, graph.m
     limits = [regsts(schedule, s, p, m, virtual) for s in range(p)]
     deps = {t: graph.deps(t) for t in graph.tasks()}
-    if schedule == "interleaved":
+    if schedule == ScheduleName.INTERLEAVED:
         return _timed(_interleaved_order(deps, p, m, virtual, limits), deps, cost, limits)
     waiting = {d: [t for t in deps if t.chunk % p == d] for d in range(p)}
     priority = _priority(schedule, p, virtual)
@@ -190,14 +193,14 @@ def _release(running, now, held, has_bwd, p) -> None:
             held[t.chunk % p] -= 1
 
 
-def _priority(schedule: str, p: int, v: int):
+def _priority(schedule: ScheduleName, p: int, v: int):
     phase_rank = {"pre": 0, "opt": 9}
 
     def key(t: Task):
         j = t.mb if t.mb is not None else 0
         if t.phase in phase_rank:
             return (phase_rank[t.phase], t.part, j, t.chunk)
-        first = 1 if (t.phase == "fwd") == (schedule == "gpipe") else 2
+        first = 1 if (t.phase == "fwd") == (schedule == ScheduleName.GPIPE) else 2
         return (first, j, -t.chunk if t.phase == "bwd" else t.chunk)
 
     return key

@@ -18,19 +18,20 @@ from dataclasses import dataclass
 
 from sbpc.compiler.ir.types import TensorType
 from sbpc.errors import CompileError
+from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Sbp, Split
 
 
 @dataclass(frozen=True)
 class Step:
     axis: int  # index into the mesh's SBP axes
-    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, shard_slice, keep_first
+    kind: Collective
     kwargs: tuple[tuple[str, object], ...]
     after: NdSbp  # the nd-SBP once this step is done
 
     @property
     def op(self) -> str:
-        return f"sbpc.{self.kind}"
+        return self.kind.op
 
 
 def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -> list[Step]:
@@ -60,7 +61,7 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
 # On a sequential axis (micro-batches) only a reduction (accumulation across the step's
 # micro-batches) or a local slice / mask can run: anything that needs several micro-batches
 # at once inside a micro-batch would stall the pipeline.
-SEQUENTIAL_STEPS = frozenset({"all_reduce", "shard_slice", "keep_first"})
+SEQUENTIAL_STEPS = frozenset({Collective.ALL_REDUCE, Collective.SHARD_SLICE, Collective.KEEP_FIRST})
 
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
@@ -116,25 +117,25 @@ def _split_kw(prefix: str, s: Split) -> tuple:
     return ((f"{prefix}dim", s.dim), (f"{prefix}parts", s.parts))
 
 
-def _one_axis(a: Sbp, b: Sbp) -> list[tuple[str, tuple, Sbp]]:
+def _one_axis(a: Sbp, b: Sbp) -> list[tuple[Collective, tuple, Sbp]]:
     """The steps that convert one axis from ``a`` to ``b``: (kind, kwargs, result)."""
     if a == b:
         return []
     if isinstance(a, Partial):
         if isinstance(b, Broadcast):
-            return [("all_reduce", (("reduce", a.reduce),), b)]
+            return [(Collective.ALL_REDUCE, (("reduce", a.reduce),), b)]
         if isinstance(b, Split) and a.reduce == "sum":
-            return [("reduce_scatter", (("dim", b.dim), ("parts", b.parts), ("reduce", "sum")), b)]
+            return [(Collective.REDUCE_SCATTER, (("dim", b.dim), ("parts", b.parts), ("reduce", "sum")), b)]
         return _one_axis(a, Broadcast()) + _one_axis(Broadcast(), b)
     if isinstance(a, Split):
         if isinstance(b, Broadcast):
-            return [("all_gather", (("dim", a.dim), ("parts", a.parts)), b)]
+            return [(Collective.ALL_GATHER, (("dim", a.dim), ("parts", a.parts)), b)]
         if isinstance(b, Split) and a.dim != b.dim:
-            return [("all_to_all", _split_kw("src_", a) + _split_kw("dst_", b), b)]
+            return [(Collective.ALL_TO_ALL, _split_kw("src_", a) + _split_kw("dst_", b), b)]
         return _one_axis(a, Broadcast()) + _one_axis(Broadcast(), b)
     # a is B
     if isinstance(b, Split):
-        return [("shard_slice", (("dim", b.dim), ("parts", b.parts)), b)]
+        return [(Collective.SHARD_SLICE, (("dim", b.dim), ("parts", b.parts)), b)]
     if isinstance(b, Partial) and b.reduce == "sum":
-        return [("keep_first", (), b)]
+        return [(Collective.KEEP_FIRST, (), b)]
     raise CompileError(f"no boxing converts {a!r} into {b!r}", hint="this is a bug in an SBP rule; report it")

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sbpc.runtime.kinds import Collective
+
 
 class CostModel(Protocol):
-    def collective(self, kind: str, nbytes: int, k: int) -> float:
+    def collective(self, kind: Collective, nbytes: int, k: int) -> float:
         """``kind`` of the boxing step; ``nbytes``: the bytes each device holds before it."""
 
     def compute(self, nbytes: int) -> float:
@@ -33,15 +35,15 @@ class AlphaBeta:
     # than the one inside a tensor-parallel group
     stage_beta: float = 4 / 10e9
 
-    def collective(self, kind: str, nbytes: int, k: int) -> float:
+    def collective(self, kind: Collective, nbytes: int, k: int) -> float:
         a, b, c = self.alpha, self.beta, self.launch
-        if kind == "all_reduce":
+        if kind == Collective.ALL_REDUCE:
             return c + 2 * (k - 1) * a + 2 * (k - 1) / k * nbytes * b
-        if kind == "all_gather":
+        if kind == Collective.ALL_GATHER:
             return c + (k - 1) * a + (k - 1) * nbytes * b
-        if kind in ("reduce_scatter", "all_to_all"):
+        if kind in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
             return c + (k - 1) * a + (k - 1) / k * nbytes * b
-        if kind in ("shard_slice", "keep_first"):
+        if kind in (Collective.SHARD_SLICE, Collective.KEEP_FIRST):
             return self.gamma * nbytes  # local: no link, a copy at most
         raise ValueError(f"unknown boxing step {kind}")
 

@@ -8,6 +8,7 @@ search is deterministic.
 from __future__ import annotations
 
 from sbpc.compiler.sbp.layout import NdSignature
+from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import NdSbp, Partial
 
 
@@ -69,7 +70,7 @@ class RefinementMoves:
                 continue
             src = self.sbp.get(v)
             for t in set(reqs.values()):
-                if t != src and self.box(src, t, self.types[v]) > self.model.collective("keep_first", self.types[v].nbytes, 2):
+                if t != src and self.box(src, t, self.types[v]) > self.model.collective(Collective.KEEP_FIRST, self.types[v].nbytes, 2):
                     hot.update(self.cls.rep[k[0]] for k, tt in reqs.items() if tt == t and isinstance(k[0], int))
                     if v in self.producer:
                         hot.add(self.cls.rep[self.producer[v]])

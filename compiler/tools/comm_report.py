@@ -7,15 +7,23 @@ from dataclasses import dataclass
 
 from sbpc.runtime import plan as P
 from sbpc.compiler.ir.types import TensorType
+from sbpc.runtime.kinds import Collective as Kind
+from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.sbp import parse_nd_sbp
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "transfer")  # ops that move data between devices
-LOCAL = ("shard_slice", "keep_first")  # boxing that stays on the device
+
+def _kind(op: str) -> str | None:
+    """What the report calls op ``op``: its boxing kind, ``transfer`` (a send/recv between
+    pipeline stages), or None (not communication)."""
+    if op == TRANSFER:
+        return "transfer"
+    kind = Kind.of(op)
+    return kind.value if kind is not None else None
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all_reduce, ..., or a local boxing step
+    kind: str  # a boxing kind (all_reduce, ..., or a local step) or transfer
     axis: str
     role: str  # fwd, bwd, opt
     module: str  # the module path of the op it serves
@@ -26,17 +34,17 @@ class Collective:
 
     @property
     def moves_data(self) -> bool:
-        return self.kind in KINDS
+        return self.kind == "transfer" or Kind(self.kind).moves_data
 
 
 def collectives(plan: P.Plan) -> list[Collective]:
     sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
     out = []
     for call, ins in enumerate(i for st in plan.stages for i in st.instructions):
-        kind = ins.op.removeprefix("sbpc.")
-        if kind == "all_reduce_coalesced":
-            kind, values = "all_reduce", [a.ref for a in ins.args[0]]
-        elif ins.op.startswith("sbpc.") and kind in KINDS + LOCAL:
+        kind = _kind(ins.op)
+        if kind == Kind.ALL_REDUCE_COALESCED:  # a bucket: one call, counted per tensor
+            kind, values = Kind.ALL_REDUCE.value, [a.ref for a in ins.args[0]]
+        elif kind is not None:
             values = [ins.args[0].ref]
         else:
             continue
@@ -114,7 +122,7 @@ def _consumers(plan: P.Plan, value: str) -> list[str]:
     for st in plan.stages:
         for ins in st.instructions:
             refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
-            if value in refs and ins.op.removeprefix("sbpc.") in KINDS + LOCAL:
+            if value in refs and _kind(ins.op) not in (None, Kind.ALL_REDUCE_COALESCED):
                 lines.append(f"  boxed by {ins.op}(axis={ins.kwargs.get('axis')}) -> %{ins.outs[0]} "
                              f"[{', '.join(ins.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
     return lines

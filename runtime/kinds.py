@@ -1,0 +1,44 @@
+"""The named kinds the compiler and the runtime share, one enum each (no heavy imports, so the
+command line can use them before it loads anything)."""
+from __future__ import annotations
+
+import enum
+
+
+class ScheduleName(enum.StrEnum):
+    """The pipeline schedules sbpc derives (``compiler/pipelining/schedule_sim.py``)."""
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B over virtual stages
+
+    @classmethod
+    def names(cls) -> str:
+        return ", ".join(s.value for s in cls)
+
+
+class Collective(enum.StrEnum):
+    """The boxing ops: ``sbpc.<kind>`` in the IR and the plan, kernels in ``collectives.py``."""
+    ALL_REDUCE = "all_reduce"  # P -> B
+    ALL_REDUCE_COALESCED = "all_reduce_coalesced"  # a gradient bucket: one call for many tensors
+    ALL_GATHER = "all_gather"  # S -> B
+    REDUCE_SCATTER = "reduce_scatter"  # P -> S
+    ALL_TO_ALL = "all_to_all"  # S(i) -> S(j)
+    SHARD_SLICE = "shard_slice"  # B -> S, local
+    KEEP_FIRST = "keep_first"  # B -> P, local
+
+    @property
+    def op(self) -> str:
+        return f"sbpc.{self.value}"
+
+    @property
+    def moves_data(self) -> bool:
+        """Whether it communicates (the others stay on the device)."""
+        return self not in (Collective.SHARD_SLICE, Collective.KEEP_FIRST)
+
+    @classmethod
+    def of(cls, op: str) -> Collective | None:
+        """The kind of op name ``op`` (``"sbpc.all_gather"``), None for any other op."""
+        return _BY_OP.get(op)
+
+
+_BY_OP = {c.op: c for c in Collective}
