@@ -148,11 +148,11 @@ def cmd_check(args) -> int:
     result, source, optimizer = _compile(args)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
-                                timeout=args.timeout, ranks=args.ranks)
+                                timeout=args.timeout, ranks=args.ranks, free_running=args.free_running)
     else:
         runner = make_runner(result.plan, make_backend("cpu"), seed=args.seed)
         report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
-                           tolerance=args.tolerance)
+                           tolerance=args.tolerance, free_running=args.free_running)
     print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")
     print(report.table())
     return 0 if report.passed else 1
@@ -218,11 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
-    k = sub.add_parser("check", help="run plan and eager PyTorch from one seed and compare them")
+    k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
     _model_arguments(k)
     k.add_argument("--steps", type=int, default=3)
     k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--tolerance", type=float, default=1e-5, help="max relative deviation allowed (default 1e-5)")
+    k.add_argument("--tolerance", type=float, default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
+    k.add_argument("--free-running", action="store_true",
+                   help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")
     k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
     k.add_argument("--ranks", choices=["processes", "threads"], default="processes",
                    help="run the ranks of a multi-device check as gloo processes (default) or as threads of this "

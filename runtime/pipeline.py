@@ -218,6 +218,13 @@ class PipelineRunner(Runner):
                 if p.name in self.params and self._owner_here(p)}
         return self._collect(mine) or {}
 
+    def logical_states(self) -> dict[str, torch.Tensor]:
+        """Every optimizer state as its logical tensor, on rank 0 (elsewhere {}), from the stage
+        whose optimizer updates it. Every rank must call it."""
+        mine = {s.name: (self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states
+                if s.name in self.states and s.update in self._made_here}
+        return self._collect(mine) or {}
+
     def logical_weights(self) -> dict[str, torch.Tensor]:
         mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
                 if p.name in self.params and self._owner_here(p)}

@@ -8,7 +8,8 @@ seeded init program (identical logical tensors on every rank) or a weights file,
 ``sharding.local_shard`` by their nd-SBP at this rank's coordinates; optimizer states start as
 zeros of the local shape; each step's logical batch is cut the same way. Values leave the rank
 in logical form only through ``Runner.gather`` (the loss for reporting, gradients with
-``keep_grads``, ``logical_params`` / ``logical_weights`` for checks and checkpoints).
+``keep_grads``, ``logical_params`` / ``logical_weights`` for checks and checkpoints,
+``logical_states`` for `sbpc check`, which compares each step's optimizer update).
 """
 from __future__ import annotations
 
@@ -141,6 +142,11 @@ class Runner:
         """Parameters and buffers as logical tensors (a state_dict). A collective: every rank must call it."""
         return {**self.logical_params(),
                 **{b.name: self.gather(self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers}}
+
+    def logical_states(self) -> dict[str, torch.Tensor]:
+        """Every optimizer state (the step counter included) as its logical tensor. A collective:
+        every rank must call it."""
+        return {s.name: self.gather(self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}
 
     def gather(self, t: torch.Tensor, nd: NdSbp | list[str]) -> torch.Tensor:
         """The logical tensor of this rank's shard ``t`` laid out as ``nd``: axis by axis, last

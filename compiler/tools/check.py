@@ -1,15 +1,33 @@
-"""`sbpc check`: run the plan and eager PyTorch from the same seed and compare them.
+"""`sbpc check`: verify each training step of the plan against eager PyTorch as a function of
+its inputs (the method and why its tolerance is sound: docs/check.md).
 
-Per step it compares the loss, every gradient and every updated parameter. The deviation of a
-tensor is ``max|plan - eager| / max|eager|`` (denominator floored at 1e-12); the check passes
-when the largest deviation over all steps and tensors is within the tolerance. Before the
-first step it also compares the plan's replayed init with eager ``torch.manual_seed(seed);
-build_model()``, which must agree bit for bit.
+The plan runs freely from its seeded init. At every step t, eager PyTorch is put in the plan's
+state S_t (parameters and optimizer state, gathered to logical tensors: exact, a gather only
+concatenates shards and copies replicas) and
+  - runs forward and backward on the step's batch: the plan's loss and gradients are compared
+    with eager's from the same parameters and batch;
+  - runs torch.optim's step on the plan's gradients from S_t: the plan's new parameters and
+    optimizer state are compared with torch's, from the same gradients and state.
+Step t+1 starts from the plan's S_{t+1} again, so no deviation accumulates and none is
+amplified: Adam divides by a gradient's own magnitude, so a gradient that is zero in exact
+arithmetic (a key bias under softmax) makes two correct programs take opposite full-size steps
+from rounding noise alone, which a free-running comparison mistakes for a wrong plan.
 
-On a mesh of many devices every rank runs the plan on its shards; gradients and parameters
-are gathered back to logical tensors (``Runner.gather``) and rank 0 compares them with eager
-PyTorch on the whole batch. ``check_on_ranks`` spawns the ranks over gloo (or runs them as
-threads of this process: ``ranks="threads"``).
+Deviations (largest over elements, as a fraction of a scale; the check passes when the largest
+over steps and tensors is within the tolerance):
+  loss      |plan - eager| / |eager|
+  gradient  max|plan - eager| / max(max|eager|, GRAD_FLOOR * G), G = the step's largest eager
+            gradient entry over all parameters
+  update    parameter: max|plan - torch| / max(max|torch - p_t|, eps(dtype) * max|torch|),
+            the size of torch's step (floored at the parameter's own resolution);
+            optimizer state: max|plan - torch| / max|torch|
+Before the first step the plan's replayed init is compared with eager ``torch.manual_seed(seed);
+build_model()``; they agree bit for bit. ``free_running=True`` also runs eager on its own
+trajectory and reports both loss curves side by side: a report, not part of the verdict.
+
+On a mesh of many devices every rank runs the plan on its shards and rank 0 compares the
+logical tensors with eager PyTorch on the whole batch. ``check_on_ranks`` spawns the ranks over
+gloo (or runs them as threads of this process: ``ranks="threads"``).
 """
 from __future__ import annotations
 
@@ -22,16 +40,20 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.plan import Plan
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
+# A gradient is compared on its own scale unless that is below 1e-3 of the step's largest
+# gradient entry: a tensor whose gradient is zero in exact arithmetic carries only rounding
+# noise (measured ~1e-10 G on examples/gpt.py), which no scale of its own can judge.
+GRAD_FLOOR = 1e-3
+
 
 @dataclass
 class Deviation:
     value: float = 0.0
     tensor: str = ""
 
-    def update(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        d = rel_dev(a, b)
-        if d > self.value or not self.tensor:
-            self.value, self.tensor = d, name
+    def update(self, name: str, value: float) -> None:
+        if value > self.value or not self.tensor:
+            self.value, self.tensor = value, name
 
 
 @dataclass
@@ -41,19 +63,37 @@ class StepRow:
     loss_eager: float | None
     loss: Deviation
     grads: Deviation
-    params: Deviation
+    update: Deviation
+
+
+@dataclass
+class FreeRunning:
+    """Eager PyTorch on its own trajectory from the same init, next to the plan's (a report)."""
+    losses_plan: list[float] = field(default_factory=list)
+    losses_eager: list[float] = field(default_factory=list)
+    params: Deviation = field(default_factory=Deviation)  # after the last step, relative to max|eager|
+
+    def table(self) -> str:
+        lines = ["free-running (a report, not the verdict: each side follows its own trajectory)",
+                 f"{'step':>5}  {'loss (plan)':>13}  {'loss (eager)':>13}  {'difference':>10}"]
+        for i, (a, b) in enumerate(zip(self.losses_plan, self.losses_eager)):
+            lines.append(f"{i:>5}  {a:13.8f}  {b:13.8f}  {a - b:10.2e}")
+        lines.append(f"after {len(self.losses_plan)} steps the parameters differ by up to {self.params.value:.2e} "
+                     f"of the tensor's largest entry ({self.params.tensor or '-'})")
+        return "\n".join(lines)
 
 
 @dataclass
 class CheckReport:
     rows: list[StepRow] = field(default_factory=list)
     tolerance: float = 1e-5
+    free: FreeRunning | None = None
 
     @property
     def worst(self) -> tuple[float, str]:
         best = (0.0, "")
         for r in self.rows:
-            for kind, d in (("loss", r.loss), ("grad", r.grads), ("param", r.params)):
+            for kind, d in (("loss", r.loss), ("grad", r.grads), ("update", r.update)):
                 if d.value >= best[0] and d.tensor:
                     best = (d.value, f"step {r.step}, {kind} {d.tensor}")
         return best
@@ -64,66 +104,143 @@ class CheckReport:
 
     def table(self) -> str:
         lines = [f"{'step':>5}  {'loss (plan)':>13}  {'loss (eager)':>13}  {'loss dev':>9}  {'max grad dev':>12}  "
-                 f"{'max param dev':>13}  worst tensor"]
+                 f"{'max update dev':>14}  worst tensor"]
         for r in self.rows:
             fmt = lambda x: f"{x:13.8f}" if x is not None else f"{'-':>13}"
-            worst = max((r.grads, r.params), key=lambda d: d.value)
+            worst = max((r.grads, r.update), key=lambda d: d.value)
             lines.append(f"{r.step:>5}  {fmt(r.loss_plan)}  {fmt(r.loss_eager)}  {r.loss.value:9.2e}  "
-                         f"{r.grads.value:12.2e}  {r.params.value:13.2e}  {worst.tensor}")
+                         f"{r.grads.value:12.2e}  {r.update.value:14.2e}  {worst.tensor}")
+        if self.free is not None:
+            lines.append(self.free.table())
         value, where = self.worst
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(f"largest deviation {value:.2e} ({where}); tolerance {self.tolerance:.0e}: {verdict}")
         return "\n".join(lines)
 
 
-def rel_dev(a: torch.Tensor, b: torch.Tensor) -> float:
+def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal)."""
     a, b = a.detach().double(), b.detach().double()
     if a.shape != b.shape:
         return float("inf")
-    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-12)) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    return diff / scale if diff else 0.0
+
+
+def amax(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().max()) if t.numel() else 0.0
+
+
+def grad_deviations(plan: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each gradient's deviation: on its own scale, floored at GRAD_FLOOR of the step's largest
+    eager gradient entry G (over all parameters, not only those compared)."""
+    big = max((amax(g) for g in eager.values()), default=0.0)
+    return {name: deviation(g, eager[name], max(amax(eager[name]), GRAD_FLOOR * big, 1e-30)) for name, g in plan.items()}
+
+
+def update_deviation(plan: torch.Tensor, eager: torch.Tensor, before: torch.Tensor) -> float:
+    """A new parameter's deviation as a fraction of eager's step ``eager - before``, floored at the
+    parameter's resolution (eps of its dtype times its largest entry)."""
+    step = amax(eager.double() - before.double())
+    return deviation(plan, eager, max(step, torch.finfo(eager.dtype).eps * amax(eager), 1e-30))
+
+
+class Eager:
+    """The eager model and its torch.optim optimizer, put in a given state before each step."""
+
+    def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int):
+        torch.manual_seed(seed)
+        self.model = source.build().train()
+        self.named = dict(self.model.named_parameters())
+        self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        self.kind = optimizer.kind
+
+    def forward_backward(self, batch, seed: int) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
+        loss = self.model(*batch)
+        loss.backward()
+        return loss.detach()
+
+    def load(self, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
+        """Parameters and optimizer state from the plan's logical tensors (``exp_avg:<fqn>``, ``step``)."""
+        with torch.no_grad():
+            for name, t in params.items():
+                self.named[name].copy_(t)
+        step = states.get("step")
+        for name, p in self.named.items():
+            state = {kind: states[f"{kind}:{name}"].clone() for kind in self._kinds() if f"{kind}:{name}" in states}
+            if self.kind == "adamw":
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            self.opt.state[p] = state
+
+    def state_of(self, name: str) -> dict[str, torch.Tensor]:
+        st = self.opt.state[self.named[name]]
+        return {f"{k}:{name}": st[k] for k in self._kinds() if k in st}
+
+    def _kinds(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("momentum_buffer",)
 
 
 def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer: OptimizerConfig, *,
-              steps: int, seed: int, tolerance: float) -> CheckReport | None:
+              steps: int, seed: int, tolerance: float, free_running: bool = False) -> CheckReport | None:
     """Every rank calls this (the gathers are collectives); rank 0, which alone needs ``source``,
     runs eager PyTorch and returns the report, the others return None."""
     lead = runner.topology.rank == 0
     weights = runner.logical_weights()
+    params, states = {n: weights[n] for n in (p.name for p in plan.params) if n in weights}, runner.logical_states()
     batches = BatchSource(plan, seed)
     if not lead:
         for step in range(steps):
             runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True)
-            runner.logical_params()
+            runner.logical_params(), runner.logical_states()
         return None
     report = CheckReport(tolerance=tolerance)
-    torch.manual_seed(seed)
-    model = source.build().train()
+    eager = Eager(source, optimizer, seed)
+    eager_state = dict(eager.named) | dict(eager.model.named_buffers())
     init = Deviation()
-    eager_state = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, t in weights.items():
-        init.update(name, t, eager_state[name])
+        init.update(name, deviation(t, eager_state[name], max(amax(eager_state[name]), 1e-12)))
     report.rows.append(StepRow("init", None, None, Deviation(), Deviation(), init))
     with torch.no_grad():
         for name, t in weights.items():
             eager_state[name].copy_(t)
-    opt = optimizer.torch_optimizer([p for p in model.parameters() if p.requires_grad])
+    free = None
+    if free_running:
+        free, report.free = Eager(source, optimizer, seed), FreeRunning()
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
-        params = runner.logical_params()
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(step_seed(seed, step))
-        loss = model(*batch)
-        loss.backward()
-        row = StepRow(str(step), result.loss, float(loss.detach()), Deviation(), Deviation(), Deviation())
-        row.loss.update("loss", torch.tensor(result.loss), loss.detach())
-        named = dict(model.named_parameters())
-        for name, g in result.grads.items():
-            row.grads.update(name, g, named[name].grad)
-        opt.step()
-        for name, p in params.items():
-            row.params.update(name, p, named[name])
+        new_params, new_states = runner.logical_params(), runner.logical_states()
+        row = StepRow(str(step), result.loss, None, Deviation(), Deviation(), Deviation())
         report.rows.append(row)
+        # loss and gradients from the plan's parameters S_t
+        eager.load(params, states)
+        loss = eager.forward_backward(batch, step_seed(seed, step))
+        row.loss_eager = float(loss)
+        row.loss.update("loss", deviation(torch.tensor(result.loss), loss, max(abs(float(loss)), 1e-12)))
+        refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
+        for name, dev in grad_deviations(result.grads, refs).items():
+            row.grads.update(name, dev)
+        # the update from the plan's gradients and state S_t (backward changed neither)
+        for name, p in eager.named.items():
+            p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
+        eager.opt.step()
+        for name, new in new_params.items():
+            row.update.update(name, update_deviation(new, eager.named[name].detach(), params[name]))
+            for sname, sref in eager.state_of(name).items():
+                if sname in new_states:
+                    row.update.update(sname, deviation(new_states[sname], sref, max(amax(sref), 1e-30)))
+        if "step" in new_states:
+            row.update.update("step", deviation(new_states["step"], states["step"] + 1, 1.0))
+        params, states = new_params, new_states
+        if free is not None:
+            report.free.losses_plan.append(result.loss)
+            report.free.losses_eager.append(float(free.forward_backward(batch, step_seed(seed, step))))
+            free.opt.step()
+    if free is not None:
+        for name, p in params.items():
+            report.free.params.update(name, deviation(p, free.named[name], max(amax(free.named[name]), 1e-12)))
     return report
 
 
@@ -139,11 +256,11 @@ def check_worker(payload: dict) -> CheckReport | None:
     runner = make_runner(plan, make_backend("cpu", comm, comm.topology), seed=payload["seed"])
     source = load_model(plan.model.path, dict(plan.model.sets)) if comm.topology.rank == 0 else None
     return run_check(plan, source, runner, payload["optimizer"], steps=payload["steps"], seed=payload["seed"],
-                     tolerance=payload["tolerance"])
+                     tolerance=payload["tolerance"], free_running=payload["free_running"])
 
 
 def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: int, tolerance: float,
-                   timeout: float = 300, ranks: str = "processes") -> CheckReport:
+                   timeout: float = 300, free_running: bool = False, ranks: str = "processes") -> CheckReport:
     """Run ``check_worker`` on one local process per device of the plan's mesh (gloo), or with
     ``ranks="threads"`` on one thread per device of this process (``runtime.threads``)."""
     import os
@@ -155,6 +272,7 @@ def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: 
     with tempfile.TemporaryDirectory(prefix="sbpc-check-") as tmp:
         path = os.path.join(tmp, "plan.json")
         save_plan(plan, path)
-        payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout)
+        payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout,
+                       free_running=free_running)
         return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout,
                       ranks=ranks)[0]
