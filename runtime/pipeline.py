@@ -225,6 +225,17 @@ class PipelineRunner(Runner):
                 if s.name in self.states and s.update in self._made_here}
         return self._collect(mine) or {}
 
+    def replica_spread(self) -> dict[str, float]:
+        """``Runner.replica_spread`` over the ranks of each stage, for what the stage updates; on
+        rank 0 (elsewhere {}). Every rank must call it."""
+        mine = {**{p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
+                   if p.name in self.params and self._owner_here(p)},
+                **{s.name: (self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states
+                   if s.name in self.states and s.update in self._made_here}}
+        spreads = self._spreads(mine)
+        parts = self.backend.communicator.gather_objects(spreads if all(i == 0 for i in self.coords) else {}, 0)
+        return {name: v for part in parts or [] for name, v in part.items()}
+
     def logical_weights(self) -> dict[str, torch.Tensor]:
         mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
                 if p.name in self.params and self._owner_here(p)}

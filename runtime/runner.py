@@ -148,6 +148,29 @@ class Runner:
         every rank must call it."""
         return {s.name: self.gather(self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}
 
+    def replica_spread(self) -> dict[str, float]:
+        """For each parameter and optimizer state, the largest elementwise difference between the
+        logical tensors the ranks hold of it (0 when all copies agree). The gathers take a
+        replicated tensor from this rank's copy alone; `sbpc check` asks whether the others agree.
+        A collective: every rank must call it."""
+        return self._spreads({**{p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params},
+                              **{s.name: (self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}})
+
+    def _spreads(self, values: dict[str, tuple[torch.Tensor, NdSbp]]) -> dict[str, float]:
+        """max - min over the ranks of this stage of each gathered value (a max-reduce per mesh
+        axis covers the sub-mesh), in float64 so the difference is exact."""
+        comm = self.backend.communicator
+        out = {}
+        for name, (t, nd) in values.items():
+            hi = self.gather(t, nd).double()
+            lo = -hi
+            for axis in self.topology.sbp_axes:
+                group = self.topology.group(axis)
+                if len(group) > 1:
+                    hi, lo = comm.all_reduce(hi, group, "max"), comm.all_reduce(lo, group, "max")
+            out[name] = float((hi + lo).max()) if hi.numel() else 0.0
+        return out
+
     def gather(self, t: torch.Tensor, nd: NdSbp | list[str]) -> torch.Tensor:
         """The logical tensor of this rank's shard ``t`` laid out as ``nd``: axis by axis, last
         axis first (undoing ``local_shard``), S by all_gather + ``sharding.combine``, P by

@@ -141,8 +141,12 @@ def grad_deviations(plan: dict[str, torch.Tensor], eager: dict[str, torch.Tensor
 def update_deviation(plan: torch.Tensor, eager: torch.Tensor, before: torch.Tensor) -> float:
     """A new parameter's deviation as a fraction of eager's step ``eager - before``, floored at the
     parameter's resolution (eps of its dtype times its largest entry)."""
+    return deviation(plan, eager, update_scale(eager, before))
+
+
+def update_scale(eager: torch.Tensor, before: torch.Tensor) -> float:
     step = amax(eager.double() - before.double())
-    return deviation(plan, eager, max(step, torch.finfo(eager.dtype).eps * amax(eager), 1e-30))
+    return max(step, torch.finfo(eager.dtype).eps * amax(eager), 1e-30)
 
 
 class Eager:
@@ -193,7 +197,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     if not lead:
         for step in range(steps):
             runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True)
-            runner.logical_params(), runner.logical_states()
+            runner.logical_params(), runner.logical_states(), runner.replica_spread()
         return None
     report = CheckReport(tolerance=tolerance)
     eager = Eager(source, optimizer, seed)
@@ -211,7 +215,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
-        new_params, new_states = runner.logical_params(), runner.logical_states()
+        new_params, new_states, spreads = runner.logical_params(), runner.logical_states(), runner.replica_spread()
         row = StepRow(str(step), result.loss, None, Deviation(), Deviation(), Deviation())
         report.rows.append(row)
         # loss and gradients from the plan's parameters S_t
@@ -227,10 +231,13 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
         eager.opt.step()
         for name, new in new_params.items():
-            row.update.update(name, update_deviation(new, eager.named[name].detach(), params[name]))
+            ref = eager.named[name].detach()
+            row.update.update(name, update_deviation(new, ref, params[name]))
+            row.update.update(f"{name} across ranks", spreads.get(name, 0.0) / update_scale(ref, params[name]))
             for sname, sref in eager.state_of(name).items():
                 if sname in new_states:
                     row.update.update(sname, deviation(new_states[sname], sref, max(amax(sref), 1e-30)))
+                    row.update.update(f"{sname} across ranks", spreads.get(sname, 0.0) / max(amax(sref), 1e-30))
         if "step" in new_states:
             row.update.update("step", deviation(new_states["step"], states["step"] + 1, 1.0))
         params, states = new_params, new_states
