@@ -226,6 +226,10 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         for name, dev in grad_deviations(result.grads, refs).items():
             row.grads.update(name, dev)
+        for name in sorted({n for n, p in eager.named.items() if p.grad is not None} - set(result.grads)):
+            row.grads.update(f"{name} (the plan returned none)", float("inf"))
+        for name in sorted(set(params) - set(new_params)):
+            row.update.update(f"{name} (the plan returned none)", float("inf"))
         # the update from the plan's gradients and state S_t (backward changed neither)
         for name, p in eager.named.items():
             p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
