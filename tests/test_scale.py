@@ -20,7 +20,8 @@ from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import CompileContext
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
-from sbpc.compiler.passes.sbp_propagate import SbpPropagate, _Solver
+from sbpc.compiler.passes.sbp_propagate import SbpPropagate
+from sbpc.compiler.sbp.solver import Solver
 from sbpc.compiler.sbp.layout import Layouts
 from sbpc.compiler.sbp.rules import RuleBook
 
@@ -108,13 +109,14 @@ def test_tied_solve_matches_untied(graph, solved):
 def _cost(graph, solved) -> float:
     """The cost model's total for the signatures of ``solved`` (compute plus every conversion)."""
     sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
-    s = _Solver(graph, Layouts(graph, RuleBook.load(strided_parts=()), sizes), sizes, AlphaBeta())
-    s.fix_inputs()
+    solver = Solver(graph, Layouts(graph, RuleBook.load(strided_parts=()), sizes), sizes, AlphaBeta())
+    solver.fix_inputs()
+    s = solver.state
     for i, n in enumerate(solved.nodes):
         sig = (tuple(n.sbp_in), tuple(n.sbp))
         ci = next((ci for ci, c in enumerate(s.cands[i]) if (c.ins, c.outs) == sig), None)
         if ci is None:
             s.cands[i].append(type(s.cands[i][0])(sig[0], sig[1], s.cands[i][0].notes))
             ci = len(s.cands[i]) - 1
-        s._set(i, ci)
-    return s._cost_of(list(range(len(graph.nodes))), set(s.sbp) | set(s.req))
+        s.choose(i, ci)
+    return s.cost_of(list(range(len(graph.nodes))), set(s.sbp) | set(s.req))

@@ -1,0 +1,303 @@
+"""The SBP solver: fixes the inputs, picks greedily, combines one-axis solutions, refines.
+
+Its state is a ``SolverState`` (``state.py``); the refinement moves (``refine.py``) take that
+state. ``SbpPropagate`` (the pass) decides which solvers run on which axes.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sbpc.compiler.frontend.hint_op import OP as HINT_OP
+from sbpc.compiler.frontend.hints import parse_spec_string
+from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
+from sbpc.compiler.sbp.cost_model import CostModel
+from sbpc.compiler.sbp.layer_classes import LayerClasses
+from sbpc.compiler.sbp.layout import Layouts, NdSignature
+from sbpc.compiler.sbp.refine import partials, refine_cascades, refine_ops, refine_values
+from sbpc.compiler.sbp.state import GraphIndex, SolverState
+from sbpc.errors import CompileError
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp
+
+
+class Solver:
+    def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel,
+                 classes: LayerClasses | None = None, index: GraphIndex | None = None):
+        cls, cands = _tie(graph, layouts, classes)
+        self.state = SolverState(graph, layouts, sizes, model, index or GraphIndex.of(graph), cls, cands,
+                                 active=cls.active(), tied=dict(cls.members))
+        self._hint_filters()
+
+    # ----- inputs and hints
+    def fix_inputs(self) -> None:
+        st, g = self.state, self.state.graph
+        hinted = {n.args[0].name: n for n in g.nodes if n.op == HINT_OP and n.args[0].name in
+                  {i.value for i in g.inputs}}
+        by_name = {i.name: i for i in g.inputs}
+        for i in g.inputs:
+            if i.kind == InputKind.STATE and i.name.partition(":")[2] in by_name:
+                continue  # after its parameter
+            st.sbp[i.value], st.why[i.value] = self._input_sbp(i, hinted.get(i.value))
+        for i in g.inputs:
+            param = by_name.get(i.name.partition(":")[2]) if i.kind == InputKind.STATE else None
+            if param is not None:
+                same = param.type.shape == i.type.shape
+                st.sbp[i.value] = st.sbp[param.value] if same else self._bcast()
+                st.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
+        for o in g.outputs_of(OutputKind.UPDATE):
+            src = by_name[o.name].value
+            st.require(o.value, ("update", o.name), st.sbp[src])
+        self._weigh()
+
+    def _bcast(self) -> NdSbp:
+        return tuple(Broadcast() for _ in self.state.axes)
+
+    def _input_sbp(self, i: GraphInput, hint_node) -> tuple[NdSbp, str]:
+        st = self.state
+        axes, sizes = st.axes, st.sizes
+        nd = list(self._bcast())
+        if hint_node is not None:
+            where = hint_node.args[2]
+            for axis, s in parse_spec_string(hint_node.args[1], where):
+                if axis in axes and sizes[axes.index(axis)] > 1:
+                    if isinstance(s, Split):
+                        s = Split(s.dim, max(s.parts, st.layouts.block_count(i.value, s.dim)))
+                    nd[axes.index(axis)] = s
+            self._check_divides(i.type, tuple(nd), f"{i.kind.value} {i.name!r}", where)
+            return tuple(nd), f"hint {hint_node.args[1]} at {where}"
+        split = [a for a in (MICROBATCH, "dp") if a in axes and sizes[axes.index(a)] > 1]
+        if i.kind == InputKind.BATCH and split:
+            k = 1
+            for a in split:
+                nd[axes.index(a)] = Split(0)
+                k *= sizes[axes.index(a)]
+            if not i.type.shape or i.type.shape[0] % k:
+                over = " x ".join(f"{a}={sizes[axes.index(a)]}" for a in split)
+                raise CompileError(f"{i.name} has shape {list(i.type.shape)}: its batch dim does not divide over {over}",
+                                   hint=f"use a --batch-size that is a multiple of {k}")
+            names = {"dp": "dp (data parallel)", MICROBATCH: "mb (micro-batches)"}
+            return tuple(nd), "batch input: S(0) on " + " and ".join(names[a] for a in split)
+        what = "parameter without a hint" if i.kind == InputKind.PARAM else i.kind.value
+        return tuple(nd), f"{what}: B (replicated)"
+
+    def _check_divides(self, t: TensorType, nd: NdSbp, what: str, where: str) -> None:
+        axes, sizes = self.state.axes, self.state.sizes
+        if not divides(t.shape, nd, sizes):
+            bad = next(f"{a}={k}" for a, k, s in zip(axes, sizes, nd) if isinstance(s, Split)
+                       and not divides(t.shape, tuple(x if x is s else Broadcast() for x in nd), sizes))
+            raise CompileError(f"SBP {format_nd_sbp(nd)} of {what} does not divide its shape {list(t.shape)} over {bad}",
+                               location=where, hint="pick a split dim whose size is a multiple of the axis size, or B")
+
+    def _hint_filters(self) -> None:
+        st = self.state
+        axes, sizes = st.axes, st.sizes
+        for idx in st.active:
+            n = st.graph.nodes[idx]
+            if n.op != HINT_OP:
+                continue
+            want = {axes.index(a): s for a, s in parse_spec_string(n.args[1], n.args[2]) if a in axes}
+            ok = [c for c in st.cands[idx] if all(sizes[a] == 1 or _same_kind(c.outs[0][a], s) for a, s in want.items())]
+            if not ok:
+                src = next((i for i in st.graph.inputs if i.value == n.args[0].name), None)
+                what = f"{src.kind.value} {src.name!r}" if src else f"a {n.types[0].dtype} value"
+                over = ", ".join(f"{axes[a]}={sizes[a]}" for a in want if sizes[a] > 1)
+                raise CompileError(f"SBP {n.args[1]} of {what} does not divide its shape {list(n.types[0].shape)} over {over}",
+                                   location=n.args[2], hint="pick a split dim whose size is a multiple of the axis size, or B")
+            for m in st.tied.get(idx, (idx,)):
+                st.cands[m] = ok
+
+    def _weigh(self) -> None:
+        """How a representative's costs stand for its class. A member whose surroundings are
+        the representative's (the same classes produce and consume each of its values, the
+        same inputs) costs what the representative costs: its class counts the representative
+        that many times. Any other member (the first and the last layer) is priced on its own.
+        The same for values: a member's result stands for the representative's, and so does
+        a layer's own input (its parameters)."""
+        st = self.state
+        if not st.tied:
+            return
+        rep, nodes, uses = st.cls.rep, st.graph.nodes, st.uses
+        seen: dict[str, tuple] = {}
+
+        def vctx(v: str):
+            if v not in seen:
+                p = st.producer.get(v)
+                src = ("node", rep[p], nodes[p].outputs.index(v)) if p is not None else ("input", st.sbp.get(v))
+                seen[v] = src, tuple(sorted({(rep[c], q) for c in st.consumers.get(v, ()) for q, u in enumerate(uses[c]) if u == v}))
+            return seen[v]
+
+        def ctx(i: int):
+            return tuple(vctx(v) for v in uses[i] + list(nodes[i].outputs))
+
+        for r, ms in st.tied.items():
+            mine = ctx(r)
+            odd = [m for m in ms if m != r and ctx(m) != mine]
+            w = len(ms) - len(odd)
+            st.weight[r] = (w, odd)
+            for j, ro in enumerate(nodes[r].outputs):
+                st.vweight[ro] = (w, [nodes[m].outputs[j] for m in odd])
+                for m in ms:
+                    st.vrep[nodes[m].outputs[j]] = ro
+            for p, u in enumerate(uses[r]):
+                copies = [uses[m][p] for m in ms]
+                if u in st.producer or u in st.vweight or len(set(copies)) != len(copies):
+                    continue  # a result (done above) or a value every layer shares
+                st.vweight[u] = (w, [uses[m][p] for m in odd])
+                for c in copies:
+                    st.vrep.setdefault(c, u)
+        # the values a search looks at: all but those a representative's stands for
+        odd_values = {v for _, extra in st.vweight.values() for v in extra}
+        st.copies = {v for v, r in st.vrep.items() if v != r and v not in odd_values}
+
+    # ----- search
+    def combine(self, busy: list[int], alone: list[Solver]) -> bool:
+        """Take, for every op, the nd-signature made of what each one-axis solution chose on
+        its axis; an op with no such candidate (the combination does not divide) is picked
+        greedily. False when no op combines."""
+        st = self.state
+        picks = {}
+        for idx in st.active:
+            want = [(a, s.state.chosen(idx)) for a, s in zip(busy, alone)]
+            match = next((ci for ci, c in enumerate(st.cands[idx])
+                          if all(tuple(nd[a] for nd in c.ins + c.outs) == tuple(nd[a] for nd in w.ins + w.outs)
+                                 for a, w in want)), None)
+            if match is None:
+                match = self._add_combined(idx, want)
+            picks[idx] = match
+        if all(ci is None for ci in picks.values()):
+            return False
+        # an op whose one-axis choices do not combine (their nested splits do not divide)
+        # picks greedily among its own candidates, given what its producers chose
+        for idx in self._first_members():
+            if picks[st.cls.rep[idx]] is None:
+                self._greedy_pick(idx)
+            else:
+                st.choose(st.cls.rep[idx], picks[st.cls.rep[idx]])
+        return True
+
+    def _first_members(self) -> list[int]:
+        """Program order, each layer class at its first member: there every producer has chosen."""
+        out, seen = [], set()
+        for idx, r in enumerate(self.state.cls.rep):
+            if r not in seen:
+                seen.add(r)
+                out.append(idx)
+        return out
+
+    def _add_combined(self, idx: int, want) -> int | None:
+        """The candidate made of each axis's one-axis choice, added when the capped candidate
+        list left it out; None when it does not divide."""
+        st = self.state
+        n = st.graph.nodes[idx]
+        first = want[0][1]
+        width = len(st.axes)
+
+        def nd(pos: int) -> NdSbp:
+            out = [Broadcast()] * width
+            for a, w in want:
+                out[a] = (w.ins + w.outs)[pos][a]
+            return tuple(out)
+
+        count = len(first.ins) + len(first.outs)
+        sbps = [nd(p) for p in range(count)]
+        shapes = [st.types[u].shape for u in st.uses[idx]] + [t.shape for t in n.types]
+        if not all(divides(shape, x, st.sizes) for shape, x in zip(shapes, sbps)):
+            return None
+        notes = tuple(next((w.notes[a] for b, w in want if b == a), "all B") for a in range(width))
+        st.cands[idx].append(NdSignature(tuple(sbps[:len(first.ins)]), tuple(sbps[len(first.ins):]), notes))
+        return len(st.cands[idx]) - 1
+
+    def greedy(self) -> None:
+        for idx in self._first_members():
+            self._greedy_pick(idx)
+
+    def _greedy_pick(self, idx: int) -> None:
+        """Op ``idx`` (and its layer class) takes its cheapest candidate given what its
+        producers chose; a class is priced at its representative once that one's producers
+        have chosen, else at ``idx``, its first member."""
+        st = self.state
+        r = st.cls.rep[idx]
+        if r != idx and all(v in st.sbp for v in st.uses[r]):
+            idx = r
+        best, best_key = 0, None
+        for ci, c in enumerate(st.cands[idx]):
+            cost = 0.0
+            for pos, v in enumerate(st.uses[idx]):
+                have = st.needs(v)
+                if c.ins[pos] != st.sbp[v] and c.ins[pos] not in have:
+                    cost += self.greedy_box(st.sbp[v], c.ins[pos], st.types[v])
+            for j, o in enumerate(st.graph.nodes[idx].outputs):
+                cost += st.value_cost(o, c.outs[j], st.needs(o))
+            key = (round(cost, 12), partials(c), ci)
+            if best_key is None or key < best_key:
+                best, best_key = ci, key
+        st.choose(st.cls.rep[idx], best)
+
+    def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
+        """How the first pass prices a conversion. It cannot see consumers yet, so it is
+        pessimistic about partial values: it prices a reduce-scatter as the all-reduce its
+        consumers will likely need. Refinement then prices everything exactly."""
+        box = self.state.box
+        via_b = tuple(Broadcast() if isinstance(d, Split) and isinstance(s, Partial) else d for s, d in zip(src, dst))
+        if via_b != dst:
+            return box(src, via_b, t) + box(via_b, dst, t)
+        return box(src, dst, t)
+
+    def refine(self, busy: list[int], rounds: int) -> None:
+        """Rounds of the refinement moves, axis by axis when several are ``busy``, until none
+        lowers the total (at most ``rounds``)."""
+        st = self.state
+        st.go_live()
+        for _ in range(rounds):
+            changed = False
+            for a in busy:
+                st.focus = a if len(busy) > 1 else None
+                changed |= refine_ops(st) | refine_values(st) | refine_cascades(st)
+            if not changed:
+                break
+        st.focus = None
+
+    def result(self) -> Graph:
+        st = self.state
+        whys: dict[int, str] = {}
+        for idx in st.active:
+            n, c = st.graph.nodes[idx], st.chosen(idx)
+            rules = "; ".join(f"{a}: {note}" for a, k, note in zip(st.axes, st.sizes, c.notes) if k > 1)
+            whys[idx] = f"{n.op} by rule [{rules}], the cheapest of {len(st.cands[idx])} signatures " \
+                        f"(compute + boxing {st.local_cost(idx, c):.3g} s)"
+            if idx in st.tied:
+                whys[idx] += f", for its layer class of {len(st.tied[idx])} ops (as decided in " \
+                             f"{n.loc.module if n.loc else 'this layer'})"
+        nodes = []
+        for idx, n in enumerate(st.graph.nodes):
+            c = st.chosen(idx)
+            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[st.cls.rep[idx]]))
+        inputs = [replace(i, sbp=st.sbp[i.value], why=st.why[i.value]) for i in st.graph.inputs]
+        return replace(st.graph, inputs=inputs, nodes=nodes)
+
+
+def _tie(graph: Graph, layouts: Layouts, classes: LayerClasses | None) -> tuple[LayerClasses, list[list[NdSignature]]]:
+    """Candidates, and the layer classes whose members follow their representative. A
+    member shares its representative's candidate list (so every choice copied to it is
+    one of its own candidates); one whose candidates differ leaves its class."""
+    count = len(graph.nodes)
+    cls = classes.copy() if classes else LayerClasses(list(range(count)))
+    cands: list[list[NdSignature]] = [None] * count  # type: ignore[list-item]
+    for i in cls.active():
+        cands[i] = layouts.candidates(i)
+    for r, ms in list(cls.members.items()):
+        for m in ms:
+            if m == r:
+                continue
+            if layouts.same_candidates(m, r):
+                cands[m] = cands[r]
+            else:
+                cls.drop(m)
+                cands[m] = layouts.candidates(m)
+    return cls, cands
+
+
+def _same_kind(a, b) -> bool:
+    if isinstance(a, Split) and isinstance(b, Split):
+        return a.dim == b.dim
+    return a == b
