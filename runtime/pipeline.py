@@ -226,15 +226,29 @@ class PipelineRunner(Runner):
         return self._collect(mine) or {}
 
     def replica_spread(self) -> dict[str, float]:
-        """``Runner.replica_spread`` over the ranks of each stage, for what the stage updates; on
-        rank 0 (elsewhere {}). Every rank must call it."""
+        """``Runner.replica_spread`` over the ranks of each stage, for what the stage updates, and
+        over the stages that hold a tied weight (the owner's copy and those that receive its new
+        value); on rank 0 (elsewhere {}). Every rank must call it."""
         mine = {**{p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
                    if p.name in self.params and self._owner_here(p)},
                 **{s.name: (self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states
                    if s.name in self.states and s.update in self._made_here}}
         spreads = self._spreads(mine)
-        parts = self.backend.communicator.gather_objects(spreads if all(i == 0 for i in self.coords) else {}, 0)
-        return {name: v for part in parts or [] for name, v in part.items()}
+        tied = {r.name for r in self.spec.replicas}
+        copies = {p.name: self.gather(self.params[p.name], self.spec_sbp[p.name]).double() for p in self.plan.params
+                  if p.name in tied and p.name in self.params}
+        lead = all(i == 0 for i in self.coords)
+        parts = self.backend.communicator.gather_objects((spreads, copies) if lead else ({}, {}), 0)
+        out: dict[str, float] = {}
+        held: dict[str, list[torch.Tensor]] = {}
+        for part, stage_copies in parts or []:
+            out.update(part)
+            for name, t in stage_copies.items():
+                held.setdefault(name, []).append(t)
+        for name, ts in held.items():
+            both = torch.stack(ts)
+            out[name] = max(out.get(name, 0.0), float((both.amax(0) - both.amin(0)).max()))
+        return out
 
     def logical_weights(self) -> dict[str, torch.Tensor]:
         mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params

@@ -192,3 +192,24 @@ def test_check_detects_a_dropped_all_reduce():
     # the gathers return rank 0's copy of a replicated parameter; the other rank updated its
     # copy with other gradients, and the check sees that as well
     assert row.update.tensor.endswith("across ranks") and row.update.value > 0.1, report.table()
+
+
+def test_check_detects_a_stale_tied_weight_on_another_stage():
+    """GPT-2 ties wte and lm_head: on 1x1x2 the last stage holds a copy of wte and takes its new
+    value from the owner's update. A plan whose copy never updates is wrong from the first step;
+    the check compares the stages' copies, so one step shows it."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.passes import PipelineOptions
+
+    plan = compile_model(load_model("examples/hf_gpt2.py"), parse_mesh("1x1x2"), batch_size=4,
+                         optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2)).plan
+    (replica,) = plan.pipeline.replicas
+    param = next(p for p in plan.params if p.name == replica.name)
+    stale = replica.model_copy(update={"value": param.value})  # keeps the value it had
+    broken = plan.model_copy(update={"pipeline": plan.pipeline.model_copy(update={"replicas": [stale]})})
+    report = check_on_ranks(broken, OptimizerConfig(), steps=1, seed=0, tolerance=TOL, ranks="threads")
+    assert not report.passed and report.table().splitlines()[-1].endswith("FAIL")
+    assert report.worst[1] == f"step 0, update {replica.name} across ranks", report.table()
+    assert report.rows[1].grads.value <= TOL  # the step itself was right
