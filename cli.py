@@ -25,11 +25,24 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
+    p.add_argument("--allow-replicated", action="store_true",
+                   help="accept a mesh axis on which no tensor is split (its devices all do the same work)")
     p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp, or the config's)")
     p.add_argument("--schedule", choices=[s.value for s in ScheduleName], help="pipeline schedule (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
                                                       "2 with --schedule interleaved)")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse paths that cannot be written before the compile, not after it."""
+    from sbpc.runtime.files import check_output_dir, check_output_path
+
+    for flag, what in (("output", "plan"), ("trace", "simulated trace")):
+        if getattr(args, flag, None) is not None:
+            check_output_path(getattr(args, flag), f"{what} (--{flag})")
+    if args.dump_dir:
+        check_output_dir(args.dump_dir, "IR dumps (--dump-dir)")
 
 
 def _compile(args: argparse.Namespace):
@@ -40,11 +53,12 @@ def _compile(args: argparse.Namespace):
     from sbpc.compiler.frontend.optim import OptimizerConfig
     from sbpc.compiler.pass_manager import CompileContext
 
+    _check_outputs(args)
     mesh = parse_mesh(args.mesh)
     source = load_model(args.model, parse_sets(args.sets))
     optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
-                         dump_dir=args.dump_dir)
+                         dump_dir=args.dump_dir, allow_replicated=args.allow_replicated)
     config = load_config(args.config) if args.config else None
     pipeline = pipeline_options(args, mesh, config)
     if args.batch_size is None:
@@ -107,6 +121,10 @@ def cmd_inspect(args) -> int:
     from sbpc.compiler.raise_plan import raise_plan
     from sbpc.runtime.plan import load_plan
 
+    if args.html:
+        from sbpc.runtime.files import check_output_path
+
+        check_output_path(args.html, "HTML report (--html)")
     plan = load_plan(args.plan)
     if args.html:
         from sbpc.compiler.tools.report import write_report

@@ -53,6 +53,10 @@ class PlanError(SbpcError):
     """A plan file is missing, corrupt, or from another schema version."""
 
 
+class OutputError(SbpcError):
+    """A file or directory sbpc was asked to write cannot be written."""
+
+
 class RuntimeFailure(SbpcError):
     """Executing a plan failed; the message names the instruction and the user's line."""
 

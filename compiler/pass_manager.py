@@ -13,7 +13,8 @@ from typing import Protocol, TextIO
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.ir.verify import verify
-from sbpc.errors import UsageError
+from sbpc.errors import OutputError, UsageError
+from sbpc.runtime.files import write_text
 
 
 class Pass(Protocol):
@@ -32,6 +33,7 @@ class CompileContext:
     dump_dir: str | None = None
     log: TextIO = field(default_factory=lambda: sys.stderr)
     estimates: dict[str, int] = field(default_factory=dict)
+    allow_replicated: bool = False  # a mesh axis may split nothing (compiler/sbp/axis_use.py)
 
 
 class PassManager:
@@ -62,6 +64,9 @@ class PassManager:
             print(f"// ----- IR after {name} -----", file=self.ctx.log)
             print(text, file=self.ctx.log)
         if self.ctx.dump_dir:
-            os.makedirs(self.ctx.dump_dir, exist_ok=True)
-            with open(os.path.join(self.ctx.dump_dir, f"{index:02d}-{name}.sbpir"), "w") as f:
-                f.write(text)
+            try:
+                os.makedirs(self.ctx.dump_dir, exist_ok=True)
+            except OSError as err:
+                raise OutputError(f"cannot create the --dump-dir {self.ctx.dump_dir!r}: {err.strerror or err}",
+                                  hint="pass a directory you can write") from err
+            write_text(os.path.join(self.ctx.dump_dir, f"{index:02d}-{name}.sbpir"), text, f"IR after {name}")

@@ -46,6 +46,11 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         raise UsageError(f"--steps {args.steps} is negative", hint="pass --steps 1 or more")
     if getattr(args, "timeout", 300.0) <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be positive", hint="pass the seconds a rank may wait, e.g. --timeout 300")
+    from sbpc.runtime.files import check_output_path
+
+    for flag, what in (("save", "weights (--save)"), ("trace", "trace (--trace)")):
+        if getattr(args, flag, None):
+            check_output_path(getattr(args, flag), what)
     plan = load_plan(args.plan)
     if plan.pipeline is not None:
         from sbpc.runtime.pipeline import check_order

@@ -1,5 +1,6 @@
 """Bad input ends in one line naming the culprit and a hint, exit code 2, no traceback."""
 import json
+import os
 import re
 
 import pytest
@@ -117,3 +118,79 @@ def test_converting_a_built_module_explains_the_fake_tensor_limit():
 ])
 def test_usage_errors_are_one_line_too(argv, pattern):
     assert_one_line_error(sbpc(*argv), pattern)
+
+
+def test_axis_that_can_split_nothing_lists_the_valid_sizes(tmp_path):
+    proc = sbpc("compile", "tests/models/four_heads.py", "--mesh", "1x3", "-o", str(tmp_path / "p.json"))
+    assert_one_line_error(proc, r"tp=3 splits no tensor of the model: no forward op of it can split its tensors over 3 "
+                                r"devices; valid tp: 1, 2, 4, 8, 16, 32, 64; hint: use one of those sizes, or pass "
+                                r"--allow-replicated")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_allow_replicated_accepts_an_axis_that_splits_nothing(tmp_path):
+    proc = sbpc("compile", "tests/models/four_heads.py", "--mesh", "1x3", "--allow-replicated",
+                "-o", str(tmp_path / "p.json"))
+    assert proc.returncode == 0, proc.stderr
+    from sbpc.runtime.plan import load_plan
+
+    plan = load_plan(str(tmp_path / "p.json"))
+    assert plan.world_size == 3 and "splits no tensor" not in proc.stderr
+
+
+def test_pp_above_the_layer_units_names_the_maximum(tmp_path):
+    proc = sbpc("compile", "examples/mlp.py", "--mesh", "1x1x8", "-o", str(tmp_path / "p.json"))
+    assert_one_line_error(proc, r"pp=8 needs 8 pipeline chunks, but the model has only 6 layer units to cut between "
+                                r"\(layers\.0, \(root\), layers\.1, .*\); the maximum pp is 6; hint: pipeline cuts fall "
+                                r"between layers")
+
+
+def test_pp_with_virtual_stages_names_the_maximum(tmp_path):
+    proc = sbpc("compile", "examples/mlp.py", "--mesh", "1x1x4", "--schedule", "interleaved", "--microbatches", "4",
+                "-o", str(tmp_path / "p.json"))
+    assert_one_line_error(proc, r"pp=4 with 2 virtual stages needs 8 pipeline chunks, but the model has only 6 layer "
+                                r"units .*; the maximum pp is 3 with 2 virtual stages")
+
+
+@pytest.mark.parametrize("flag,path,pattern", [
+    ("-o", "/nonexistent/dir/plan.json", r"cannot write the plan \(--output\) to '/nonexistent/dir/plan\.json': "
+                                         r"directory '/nonexistent/dir' does not exist; hint: create the directory"),
+    ("-o", "{tmp}", r"cannot write the plan \(--output\) to '.*': it is a directory; hint: pass a file path inside it"),
+    ("--trace", "/nonexistent/sim.json", r"cannot write the simulated trace \(--trace\) to '/nonexistent/sim\.json'"),
+    ("--dump-dir", "{tmp}/file", r"cannot write the IR dumps \(--dump-dir\) into '.*/file': it is a file, not a directory"),
+])
+def test_output_path_that_cannot_be_written_fails_before_compiling(tmp_path, flag, path, pattern):
+    (tmp_path / "file").write_text("")
+    args = [flag, path.format(tmp=tmp_path)] + ([] if flag == "-o" else ["-o", str(tmp_path / "p.json")])
+    assert_one_line_error(sbpc("compile", "examples/mlp.py", *args), pattern)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_output_without_permission_is_exit_2_and_leaves_nothing():
+    # /sys refuses new files even to root (a read-only directory would not stop root)
+    proc = sbpc("compile", "examples/mlp.py", "-o", "/sys/sbpc-plan.json")
+    assert_one_line_error(proc, r"cannot write the plan .*to '/sys/sbpc-plan\.json': [Pp]ermission denied")
+    assert not [p for p in os.listdir("/sys") if p.startswith("sbpc-plan")]
+
+
+@pytest.mark.parametrize("flag", ["--save", "--trace"])
+def test_run_output_paths_are_checked_first(tmp_path, flag):
+    proc = sbpc("run", str(tmp_path / "missing.json"), flag, "/nonexistent/out.pt")
+    assert_one_line_error(proc, rf"cannot write the (weights|trace) \({flag}\) to '/nonexistent/out\.pt'")
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    from sbpc.errors import OutputError
+    from sbpc.runtime.files import atomic_write
+
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+
+    def half_then_full_disk(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OutputError, match=r"cannot write the plan to '.*plan\.json': No space left on device"):
+        atomic_write(str(target), half_then_full_disk, "plan")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["plan.json"]

@@ -230,8 +230,9 @@ def test_impossible_hints(tmp_path, sets, pattern):
     assert re.search(pattern, str(err.value)), str(err.value)
 
 
-def test_more_chunks_than_forward_ops_is_an_error(tmp_path):
-    with pytest.raises(CompileError, match=r"pipeline chunk \d+ of 64 gets no forward op.*hint: use fewer pipeline stages"):
+def test_more_chunks_than_layer_units_is_an_error(tmp_path):
+    with pytest.raises(CompileError, match=r"pp=64 needs 64 pipeline chunks, but the model has only \d+ layer units to "
+                                           r"cut between \(emb, h\.0, .*\); the maximum pp is \d+; hint: pipeline cuts"):
         partition(captured(_model(tmp_path)), mesh="1x1x64")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
+from sbpc.compiler.sbp.axis_use import check_axes_split
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, InputKind
@@ -49,6 +50,11 @@ class SbpPropagate:
             return _all_broadcast(graph, axes)
         # block counts of strided splits come from the whole-graph analysis (sbp_layout)
         rules = self.rules or RuleBook.load(strided_parts=())
+        out = self._propagate(graph, ctx, rules, sizes)
+        check_axes_split(out, rules, getattr(ctx, "allow_replicated", False), getattr(ctx, "log", sys.stderr))
+        return out
+
+    def _propagate(self, graph: Graph, ctx, rules: RuleBook, sizes: tuple[int, ...]) -> Graph:
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
         busy = [a for a, k in enumerate(sizes) if k > 1]
         shared = _Shared(self.classes(graph), GraphIndex.of(graph))

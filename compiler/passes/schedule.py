@@ -110,7 +110,7 @@ class _Cutter:
         for n in nodes:
             axis = n.kwargs.get("axis")
             if axis == MICROBATCH and n.op not in _SEQUENTIAL_OK:
-                raise CompileError(f"{n.op} over micro-batches: %{n.args[0]} would need every micro-batch at once",
+                raise CompileError(f"{n.op} over micro-batches: {n.args[0]} would need every micro-batch at once",
                                    location=str(n.loc) if n.loc else None,
                                    hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
         role = [n.role for n in nodes]

@@ -148,8 +148,8 @@ def _problem(graph, chunks, microbatches, fwd, free, readers, lo, hi) -> Partiti
             units.append([])
         units[-1].append(i)
         key = k
-    if len(units) < chunks:  # too few modules to cut between: cut between ops
-        units = [[i] for i in order]
+    if len(units) < chunks:
+        _too_few_units(graph, units, chunks)
     group: list[int | None] = [None] * len(graph.nodes)
     for u, unit in enumerate(units):
         for i in unit:
@@ -165,6 +165,19 @@ def _problem(graph, chunks, microbatches, fwd, free, readers, lo, hi) -> Partiti
         uhi[u] = min(uhi[u], uhi[u + 1])
     uhi = [max(a, b) for a, b in zip(ulo, uhi)]
     return PartitionProblem(graph, chunks, microbatches, units, ulo, uhi, group)
+
+
+def _too_few_units(graph: Graph, units: list[list[int]], chunks: int) -> None:
+    """More chunks than layer units: some chunk would be empty or cut a layer in two."""
+    pp = graph.mesh.size("pp")
+    virtual = chunks // pp
+    names = [(layer_key(graph.nodes[u[0]].loc.module) if graph.nodes[u[0]].loc else "") or "(root)" for u in units]
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    per = f" with {virtual} virtual stages" if virtual > 1 else ""
+    raise CompileError(f"pp={pp}{per} needs {chunks} pipeline chunks, but the model has only {len(units)} layer units to "
+                       f"cut between ({shown}); the maximum pp is {max(1, len(units) // virtual)}{per}",
+                       hint="pipeline cuts fall between layers (numbered modules such as h.3) and other top-level "
+                            "modules, never inside one; use a smaller pp or a deeper model")
 
 
 def _backward(nodes, role, preds, readers, stage, chunks) -> None:
