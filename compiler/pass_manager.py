@@ -14,7 +14,7 @@ from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.ir.verify import verify
 from sbpc.errors import OutputError, UsageError
-from sbpc.runtime.files import write_text
+from sbpc.runtime.files import write_atomic
 
 
 class Pass(Protocol):
@@ -69,4 +69,4 @@ class PassManager:
             except OSError as err:
                 raise OutputError(f"cannot create the --dump-dir {self.ctx.dump_dir!r}: {err.strerror or err}",
                                   hint="pass a directory you can write") from err
-            write_text(os.path.join(self.ctx.dump_dir, f"{index:02d}-{name}.sbpir"), text, f"IR after {name}")
+            write_atomic(os.path.join(self.ctx.dump_dir, f"{index:02d}-{name}.sbpir"), text)
