@@ -140,16 +140,9 @@ def test_allow_replicated_accepts_an_axis_that_splits_nothing(tmp_path):
 
 def test_pp_above_the_layer_units_names_the_maximum(tmp_path):
     proc = sbpc("compile", "examples/mlp.py", "--mesh", "1x1x8", "-o", str(tmp_path / "p.json"))
-    assert_one_line_error(proc, r"pp=8 needs 8 pipeline chunks, but the model has only 6 layer units to cut between "
-                                r"\(layers\.0, \(root\), layers\.1, .*\); the maximum pp is 6; hint: pipeline cuts fall "
-                                r"between layers")
-
-
-def test_pp_with_virtual_stages_names_the_maximum(tmp_path):
-    proc = sbpc("compile", "examples/mlp.py", "--mesh", "1x1x4", "--schedule", "interleaved", "--microbatches", "4",
-                "-o", str(tmp_path / "p.json"))
-    assert_one_line_error(proc, r"pp=4 with 2 virtual stages needs 8 pipeline chunks, but the model has only 6 layer "
-                                r"units .*; the maximum pp is 3 with 2 virtual stages")
+    assert_one_line_error(proc, r"pp=8 needs a layer unit per pipeline stage, but the model has only 6 to cut between "
+                                r"\(layers\.0, \(root\), layers\.1, .*\); the maximum pp is 6; hint: pipeline stages are "
+                                r"cut between layers")
 
 
 @pytest.mark.parametrize("flag,path,pattern", [

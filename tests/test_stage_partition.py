@@ -231,8 +231,8 @@ def test_impossible_hints(tmp_path, sets, pattern):
 
 
 def test_more_chunks_than_layer_units_is_an_error(tmp_path):
-    with pytest.raises(CompileError, match=r"pp=64 needs 64 pipeline chunks, but the model has only \d+ layer units to "
-                                           r"cut between \(emb, h\.0, .*\); the maximum pp is \d+; hint: pipeline cuts"):
+    with pytest.raises(CompileError, match=r"pp=64 needs a layer unit per pipeline stage, but the model has only \d+ "
+                                           r"to cut between \(emb, h\.0, .*\); the maximum pp is \d+; hint: pipeline"):
         partition(captured(_model(tmp_path)), mesh="1x1x64")
 
 

@@ -148,8 +148,10 @@ def _problem(graph, chunks, microbatches, fwd, free, readers, lo, hi) -> Partiti
             units.append([])
         units[-1].append(i)
         key = k
-    if len(units) < chunks:
-        _too_few_units(graph, units, chunks)
+    if len(units) < graph.mesh.size("pp"):
+        _too_few_units(graph, units)
+    if len(units) < chunks:  # more virtual chunks than layers: cut between ops
+        units = [[i] for i in order]
     group: list[int | None] = [None] * len(graph.nodes)
     for u, unit in enumerate(units):
         for i in unit:
@@ -167,17 +169,15 @@ def _problem(graph, chunks, microbatches, fwd, free, readers, lo, hi) -> Partiti
     return PartitionProblem(graph, chunks, microbatches, units, ulo, uhi, group)
 
 
-def _too_few_units(graph: Graph, units: list[list[int]], chunks: int) -> None:
-    """More chunks than layer units: some chunk would be empty or cut a layer in two."""
+def _too_few_units(graph: Graph, units: list[list[int]]) -> None:
+    """More pipeline stages than layer units: a stage would be empty or cut a layer in two."""
     pp = graph.mesh.size("pp")
-    virtual = chunks // pp
     names = [(layer_key(graph.nodes[u[0]].loc.module) if graph.nodes[u[0]].loc else "") or "(root)" for u in units]
     shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-    per = f" with {virtual} virtual stages" if virtual > 1 else ""
-    raise CompileError(f"pp={pp}{per} needs {chunks} pipeline chunks, but the model has only {len(units)} layer units to "
-                       f"cut between ({shown}); the maximum pp is {max(1, len(units) // virtual)}{per}",
-                       hint="pipeline cuts fall between layers (numbered modules such as h.3) and other top-level "
-                            "modules, never inside one; use a smaller pp or a deeper model")
+    raise CompileError(f"pp={pp} needs a layer unit per pipeline stage, but the model has only {len(units)} to cut "
+                       f"between ({shown}); the maximum pp is {len(units)}",
+                       hint="pipeline stages are cut between layers (numbered modules such as h.3) and other "
+                            "top-level modules, never inside one; use a smaller pp or a deeper model")
 
 
 def _backward(nodes, role, preds, readers, stage, chunks) -> None:

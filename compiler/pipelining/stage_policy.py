@@ -4,7 +4,8 @@ The stage-partition pass fixes what hints and data flow dictate; a policy only c
 cuts. It sees the forward ops as *units*: runs of ops of one layer (the module path up to its
 first numbered component, ``h.3`` or ``model.transformer.h.3``) or of one other module. A cut
 therefore falls between transformer blocks or next to the embedding and the head, never
-inside a block, unless there are fewer units than chunks.
+inside a block, unless there are more (virtual) chunks than units. (More pp stages than units
+is an error, raised by the pass.)
 
 ``CostBalanced`` (the default) minimises the most expensive chunk, where a chunk costs
 
