@@ -1,4 +1,5 @@
-"""Rank-aware compute kernels: the local half of ops whose vocab or class dim is split.
+"""Rank-aware compute kernels: the local half of ops whose vocab or class dim is split, and
+the local block of a split ``arange``.
 
 Each kernel computes what its rank holds from its own shard and its mesh coordinate, and
 never communicates; the compiler's boxing does the rest (a masked lookup gives a partial sum,
@@ -67,8 +68,10 @@ def nll_loss_forward_masked(backend, self, target, weight, reduction, ignore_ind
     picked = self.gather(-1, local.unsqueeze(-1)).squeeze(-1) if self.dim() == 2 else self[local]
     terms = -picked * w * hit.to(self.dtype)
     total = w.sum().to(self.dtype)
-    if reduction == 0:
+    if reduction == 0 and self.dim() != 1:  # torch reports no total weight for a batch left unreduced
         return terms, torch.zeros((), dtype=self.dtype)
+    if reduction == 0:
+        return terms, total
     out = terms.sum()
     return (out / total if reduction == 1 else out), total
 
@@ -85,7 +88,24 @@ def nll_loss_backward_masked(backend, grad_output, self, target, weight, reducti
     return out.scatter_(-1, local.unsqueeze(-1), g.unsqueeze(-1).expand(-1, 1).clone())
 
 
+def arange_shard(backend, *args, axis, parts=1, **kwargs):
+    """This rank's block of ``arange(*args)`` split on dim 0 (``S(0)`` or strided ``S(0:parts)``).
+    The range is made whole and cut, so every element equals the single-device one bit for bit
+    (a float range computed from a shifted start could round differently); it is 1-D and
+    small (positions), which makes that cheap."""
+    from sbpc.runtime.sbp import Split
+    from sbpc.runtime.sharding import take_chunk
+
+    topo = backend.topology
+    pos, k = 0, 1
+    for a in [axis] if isinstance(axis, str) else axis:
+        pos, k = pos * topo.size(a) + topo.index(a), k * topo.size(a)
+    op = (aten.arange.default, aten.arange.start, aten.arange.start_step)[len(args) - 1]
+    return take_chunk(op(*args, **kwargs), Split(0, parts), pos, k).contiguous()
+
+
 KERNELS = {
+    "sbpc.arange_shard": arange_shard,
     "sbpc.embedding_masked": embedding_masked,
     "sbpc.embedding_dense_backward_masked": embedding_dense_backward_masked,
     "sbpc.nll_loss_forward_masked": nll_loss_forward_masked,

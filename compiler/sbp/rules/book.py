@@ -13,7 +13,8 @@ from typing import Any
 
 from sbpc.compiler.ir.types import Node, Ref, TensorType
 from sbpc.compiler.sbp.rules.dsl import LITERALS, Rule, parse_rules, rules_error
-from sbpc.compiler.sbp.rules import vocab  # noqa: F401 - registers the vocab-parallel and loss families
+from sbpc.compiler.sbp.rules import shape_families, vocab  # noqa: F401 - register their families
+from sbpc.compiler.sbp.rules.derive import derived_rule
 from sbpc.compiler.sbp.rules.families import FAMILIES, LOCALIZERS, LocCtx, SigCtx
 from sbpc.compiler.sbp.rules.loops import B, Cand, enumerate_loops, norm_dim
 from sbpc.errors import CompileError
@@ -86,8 +87,10 @@ def _literals(a: Any) -> Any:
 
 
 class RuleBook:
-    def __init__(self, rules: list[Rule], text: str = "", strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS):
+    def __init__(self, rules: list[Rule], text: str = "", strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS,
+                 derive: bool = True):
         self.rules: dict[str, Rule] = {}
+        self.derive = derive  # ops without a hand rule take the class rule torch's metadata gives
         self.strided_parts = tuple(strided_parts)
         self._params: dict[str, list] = {}
         self._memo: dict = {}
@@ -108,11 +111,22 @@ class RuleBook:
                   strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS) -> "RuleBook":
         return cls(parse_rules(text, source), text, strided_parts)
 
+    def rule(self, op: str) -> Rule | None:
+        """The rule of ``op``: the hand-written one, else the one derived from torch's metadata."""
+        return self.rules.get(op) or (derived_rule(op) if self.derive else None)
+
     def has_rule(self, op: str) -> bool:
-        return op in self.rules
+        return self.rule(op) is not None
 
     def ops(self) -> list[str]:
+        """The ops with a hand-written rule."""
         return sorted(self.rules)
+
+    def derived_ops(self) -> list[str]:
+        """Every ATen overload whose rule comes from torch's metadata (a hand rule overrides it)."""
+        from sbpc.compiler.sbp.rules.derive import aten_overloads
+
+        return [op for op in aten_overloads() if op not in self.rules and derived_rule(op) is not None]
 
     # ------------------------------------------------------------ load-time checks
 
@@ -156,7 +170,7 @@ class RuleBook:
         return list(self._memo[key])
 
     def _signatures(self, node: Node, in_types: list[TensorType], axis_size: int) -> list[Signature]:
-        rule = self.rules.get(node.op)
+        rule = self.rule(node.op)
         params = self._params.get(node.op) or op_params(node.op)
         keys = use_keys(node, params)
         all_b = Signature((B,) * len(keys), (B,) * len(node.types), "all B")
@@ -165,7 +179,7 @@ class RuleBook:
         values, _ = bind(node, params)
         shapes = {k: t.shape for k, t in zip(keys, in_types)}
         dtypes = {k: t.dtype for k, t in zip(keys, in_types)}
-        c = SigCtx(node, values, shapes, self.strided_parts)
+        c = SigCtx(node, values, shapes, self.strided_parts, dtypes, axis_size)
         lp, cands = FAMILIES[rule.family](c, *rule.args)
         cands = list(cands)
         if lp is not None:
@@ -175,7 +189,9 @@ class RuleBook:
                 for g in unsplit.groups:
                     v = c.value(g[0])
                     for d in ([v] if isinstance(v, int) else v or []):
-                        lp.fixed.add(lp.outs[0][norm_dim(d, rank)])
+                        i = norm_dim(d, rank)
+                        if i is not None:
+                            lp.fixed.add(lp.outs[0][i])
             cands = enumerate_loops(lp, c.shape, c.out_shape, self.strided_parts) + cands
         for mod, kind in (("partial", "sum"), ("pmax", "max")):
             m = rule.modifier(mod)
@@ -212,16 +228,18 @@ class RuleBook:
 
     def localize(self, node: Node, in_nd: list[NdSbp], out_nd: list[NdSbp], sizes: tuple[int, ...],
                  axes: tuple[str, ...]) -> list[Node]:
-        rule = self.rules.get(node.op)
+        rule = self.rule(node.op)
         new = replace(node, sbp=list(out_nd), args=tuple(node.args), kwargs=dict(node.kwargs))
         if rule is None or rule.family not in LOCALIZERS:
             return [new]
-        params = self._params[node.op]
+        params = self._params.get(node.op) or op_params(node.op)
         values, where = bind(node, params)
         keys = use_keys(node, params)
         lc = LocCtx(node, values, dict(zip(keys, in_nd)), list(out_nd), tuple(sizes), tuple(axes))
         LOCALIZERS[rule.family](lc, *rule.args)
         args, kwargs = list(new.args), dict(new.kwargs)
+        if lc.args is not None:  # a different op with its own arguments
+            args, kwargs = list(lc.args), {}
         for name, v in lc.set.items():
             pos = where.get(name, name)
             if isinstance(pos, int):
@@ -230,6 +248,7 @@ class RuleBook:
                 kwargs[pos] = v
         if lc.op:
             new.op = lc.op
+        if lc.masked_axes:
             kwargs["axis"] = lc.masked_axes[0] if len(lc.masked_axes) == 1 else list(lc.masked_axes)
         new.args, new.kwargs = tuple(args), kwargs
         if lc.scale == 1.0:

@@ -31,8 +31,10 @@ def family(name: str, localizer: Callable | None = None):
 class SigCtx:
     """What a family sees while enumerating signatures for one node on one axis."""
 
-    def __init__(self, node, bind: dict[str, Any], shapes: dict, parts: tuple[int, ...]):
+    def __init__(self, node, bind: dict[str, Any], shapes: dict, parts: tuple[int, ...], dtypes: dict | None = None,
+                 axis_size: int = 2):
         self.node, self.bind, self.shapes, self.parts = node, bind, shapes, parts
+        self.dtypes, self.axis_size = dtypes or {}, axis_size
 
     def value(self, a) -> Any:
         from sbpc.compiler.sbp.rules.dsl import LITERALS
@@ -61,7 +63,8 @@ class LocCtx:
     def __init__(self, node, bind, ins: dict, outs: list, sizes, axes):
         self.node, self.bind, self.ins, self.outs, self.sizes, self.axes = node, bind, ins, outs, sizes, axes
         self.set: dict[str, Any] = {}  # parameter -> new (local) value
-        self.op: str | None = None  # a rank-aware kernel replacing the op
+        self.op: str | None = None  # a rank-aware kernel (or another op) replacing the op
+        self.args: tuple | None = None  # the replacing op's own positional arguments
         self.masked_axes: list[str] = []
         self.scale = 1.0  # the output is multiplied by this afterwards
 
@@ -150,13 +153,20 @@ def _reduce_loc(lc, self, dim, keepdim, kind):
 
 @family("reduce", _reduce_loc)
 def reduce(c, self, dim, keepdim, kind):
+    """kind "sum" / "mean": a split reduced dim gives P; "max": P(max); "none": it never splits.
+    Every output (values and indices of ``max.dim``, ``var_mean``) has the reduced shape."""
     rank = len(c.shape(c.tensor(self)))
     red = dim_list(c.value(dim), rank)
     lets = letters(rank)
     out = [None if d in red else x for d, x in enumerate(lets)] if c.value(keepdim) else \
         [x for d, x in enumerate(lets) if d not in red]
-    kind = "max" if c.value(kind) == "max" else "sum"
-    return Loops(ins={c.tensor(self): lets}, outs=[out], reduce={lets[d]: kind for d in red}), []
+    lp = Loops(ins={c.tensor(self): lets}, outs=[list(out) for _ in c.node.types])
+    kind = c.value(kind)
+    if kind == "none":
+        lp.fixed |= {lets[d] for d in red}
+    else:
+        lp.reduce = {lets[d]: "max" if kind == "max" else "sum" for d in red}
+    return lp, []
 
 
 @family("transpose")
@@ -261,11 +271,13 @@ def cat(c, tensors, dim):
     d = norm_dim(c.value(dim), len(out))
     lets = letters(len(out))
     keys = [(tensors.value, j) for j, v in enumerate(c.value(tensors)) if isinstance(v, Ref)]
+    # torch skips 1-D empty inputs of another rank (legacy cat): they stay B and take no part
+    full = [key for key in keys if len(c.shape(key)) == len(out)]
     lp = Loops(outs=[lets], fixed={lets[d]})
-    extra = []
     for key in keys:
-        lp.ins[key] = list(lets) if len(c.shape(key)) == len(out) else [None] * len(c.shape(key))
-    if keys and len({c.shape(key)[d] for key in keys}) == 1 and all(len(c.shape(k)) == len(out) for k in keys):
+        lp.ins[key] = list(lets) if key in full else [None] * len(c.shape(key))
+    extra = []
+    if full and len(full) == len(keys) and len({c.shape(key)[d] for key in full}) == 1:
         n = len(keys)
         for q in (1, *c.parts):
             extra.append(Cand({key: Split(d, q) for key in keys}, [Split(d, n * q)], f"cat of {n} splits -> strided {d}:{n * q}"))
@@ -329,6 +341,8 @@ def _gather_lets(c, self, dim, index):
     shp, idx = c.shape(c.tensor(self)), c.shape(c.tensor(index))
     d = norm_dim(c.value(dim), len(shp))
     lets = letters(len(idx))
+    if len(idx) != len(shp):  # 0-d self with a 0-d index: nothing to split
+        return None, []
     ins = [None if i == d or shp[i] != idx[i] else lets[i] for i in range(len(shp))]
     # off the gathered dim, index row i reads self row i: a shorter index dim cannot split alone
     fixed = {lets[i] for i in range(len(shp)) if i != d and shp[i] != idx[i]}

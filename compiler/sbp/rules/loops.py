@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Broadcast, Partial, Sbp, Split
 
 Key = Hashable  # a tensor parameter name, or (name, position) for an element of a tensor list
@@ -76,8 +77,16 @@ def enumerate_loops(lp: Loops, in_shape, out_shape, parts: tuple[int, ...]) -> l
     return cands
 
 
-def norm_dim(d: int, rank: int) -> int:
-    return d + rank if d < 0 else d
+def norm_dim(d: Any, rank: int) -> int | None:
+    """The one place a dim argument becomes an index: negative dims count from the end, and a
+    0-d tensor (which torch lets name dim 0 or -1) has no dim to index (None). Every family
+    reads dims through here or ``dim_list``, so no rule can index a shape out of range."""
+    if rank == 0:
+        return None
+    i = int(d) + rank if int(d) < 0 else int(d)
+    if not 0 <= i < rank:
+        raise CompileError(f"dim {d} is out of range for a tensor of {rank} dims")
+    return i
 
 
 def dim_list(v: Any, rank: int) -> list[int]:
@@ -86,7 +95,7 @@ def dim_list(v: Any, rank: int) -> list[int]:
         return list(range(rank))
     if isinstance(v, int):
         v = [v]
-    return sorted({norm_dim(int(d), max(rank, 1)) for d in v})
+    return sorted({i for d in v if (i := norm_dim(d, rank)) is not None})
 
 
 def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
