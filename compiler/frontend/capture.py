@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
-from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig, format_spec
+from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
 from sbpc.compiler.frontend.init_record import InitRecorder
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
 from sbpc.compiler.ir.aten import is_mutating
@@ -237,11 +237,10 @@ def _module_output_hints(model: torch.nn.Module, config: ParallelConfig):
             continue
 
         def post(mod, args, out, hint=hint):
-            spec = format_spec(hint.axes)
             if isinstance(out, torch.Tensor):
-                return hint_op(out, spec, hint.source)
+                return hint_op(out, hint)
             if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-                return (hint_op(out[0], spec, hint.source), *out[1:])
+                return (hint_op(out[0], hint), *out[1:])
             return out
 
         handles.append(module.register_forward_hook(post))

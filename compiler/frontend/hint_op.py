@@ -1,12 +1,19 @@
 """``sbpc.hint``: the graph op an activation hint becomes.
 
-An identity op registered with torch.library, so make_fx records it with its spec string
-(``"tp=S(1)"``) and the source line of the ``sbpc.shard`` call. Its gradient is the identity,
+An identity op registered with torch.library, so make_fx records it with its hint as text
+(``Hint.spec()``: ``"tp=S(1)"``) and the source line of the ``sbpc.shard`` call; ``hint_of``
+reads the typed ``Hint`` back from the node. Its gradient is the identity,
 pinned by the same hint. Propagation pins the SBP of its result; the boxing pass then removes it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from sbpc.compiler.frontend.hints import Hint
+    from sbpc.compiler.ir.types import Node
 
 OP = "sbpc.hint.default"
 
@@ -34,8 +41,15 @@ def _backward(ctx, grad):
 _hint.register_autograd(_backward, setup_context=_setup)
 
 
-def hint_op(x: torch.Tensor, spec: str, where: str) -> torch.Tensor:
-    return _hint(x, spec, where)
+def hint_op(x: torch.Tensor, hint: Hint) -> torch.Tensor:
+    return _hint(x, hint.spec(), hint.source)
+
+
+def hint_of(n: Node) -> Hint:
+    """The hint an ``sbpc.hint`` node carries: its args are (value, spec, source)."""
+    from sbpc.compiler.frontend.hints import Hint
+
+    return Hint.parse(n.args[1], n.args[2])
 
 
 def hint_inputs(inputs, hints) -> list:
@@ -43,7 +57,6 @@ def hint_inputs(inputs, hints) -> list:
 
     Returns the nodes to put first in the graph; the caller renames the input's uses to them.
     """
-    from sbpc.compiler.frontend.hints import format_spec
     from sbpc.compiler.ir.types import Node, Ref, Role, SourceLoc
 
     nodes = []
@@ -53,6 +66,6 @@ def hint_inputs(inputs, hints) -> list:
             continue
         file, _, line = hint.source.rpartition(":")
         loc = SourceLoc(module="", file=file, line=int(line)) if line.isdigit() else None
-        nodes.append(Node([f"{i.value}_hint"], OP, (Ref(i.value), format_spec(hint.axes), hint.source), {},
+        nodes.append(Node([f"{i.value}_hint"], OP, (Ref(i.value), hint.spec(), hint.source), {},
                           [i.type], Role.FORWARD, loc=loc))
     return nodes

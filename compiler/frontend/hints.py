@@ -41,6 +41,9 @@ _AXES_HINT = f"SBP axes are {', '.join(_SBP_AXES)} (pp is placement, not SBP)"
 
 @dataclass(frozen=True)
 class Hint:
+    """What the user said about one tensor: its SBP on some mesh axes. An ``sbpc.hint`` op
+    carries it as text (a torch custom op takes strings): ``spec()`` writes it, ``parse`` reads
+    it back, and nothing else splits it."""
     axes: tuple[tuple[str, Sbp], ...]
     source: str  # where the user wrote it: "gpt.megatron.toml:4" or "gpt.py:51"
 
@@ -48,7 +51,16 @@ class Hint:
         return dict(self.axes)
 
     def spec(self) -> str:
-        return ",".join(f"{a}={s!r}" for a, s in self.axes)
+        """The text form: ``"tp=S(1);dp=B"``."""
+        return ";".join(f"{a}={s!r}" for a, s in self.axes)
+
+    @classmethod
+    def parse(cls, spec: str, source: str) -> Hint:
+        pairs = {}
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            axis, _, sbp = part.partition("=")
+            pairs[axis.strip()] = sbp.strip()
+        return cls(parse_axes(pairs, source), source)
 
 
 def parse_axes(spec: dict, where: str) -> tuple[tuple[str, Sbp], ...]:
@@ -63,19 +75,6 @@ def parse_axes(spec: dict, where: str) -> tuple[tuple[str, Sbp], ...]:
         except UsageError as err:
             raise UsageError(err.message, location=where, hint=err.hint) from None
     return tuple(out)
-
-
-def parse_spec_string(text: str, where: str) -> tuple[tuple[str, Sbp], ...]:
-    """``"tp=S(1),dp=B"`` (the form an ``sbpc.hint`` op carries) -> axis/SBP pairs."""
-    pairs = {}
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        axis, _, sbp = part.partition("=")
-        pairs[axis.strip()] = sbp.strip()
-    return parse_axes(pairs, where)
-
-
-def format_spec(axes: tuple[tuple[str, Sbp], ...]) -> str:
-    return ";".join(f"{a}={s!r}" for a, s in axes)
 
 
 @dataclass(frozen=True)
@@ -277,4 +276,4 @@ class HintRecorder:
         if isinstance(tensor, torch.nn.Parameter):
             self.params[id(tensor)] = hint
             return tensor
-        return hint_op(tensor, format_spec(hint.axes), where)
+        return hint_op(tensor, hint)

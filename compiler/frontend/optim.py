@@ -15,7 +15,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.frontend.fx_import import import_fx
-from sbpc.compiler.ir.types import DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc, TensorType, map_refs
+from sbpc.compiler.ir.types import (DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc,
+                                    StateName, TensorType, map_refs)
 from sbpc.errors import CompileError
 
 _TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
@@ -94,13 +95,13 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
     A parameter's update ops carry its module path and the line that created it."""
     step_in, step_out = "opt_step", "opt_step_next"
     step_type = TensorType((), "f64")
-    inputs.append(GraphInput(InputKind.STATE, step_in, step_type, "step"))
+    inputs.append(GraphInput(InputKind.STATE, step_in, step_type, str(StateName("step"))))
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
-    outputs.append(GraphOutput(OutputKind.UPDATE, step_out, "step"))
+    outputs.append(GraphOutput(OutputKind.UPDATE, step_out, str(StateName("step"))))
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
         tpl = _template(cfg, ttype.dtype)
         loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
-        states = [(f"{s}_{i}", f"{s}:{fqn}") for s in cfg.state_names]
+        states = [(f"{s}_{i}", str(StateName(s, fqn))) for s in cfg.state_names]
         for sval, sname in states:
             inputs.append(GraphInput(InputKind.STATE, sval, ttype, sname))
         rename = dict(zip((tpl.names[p] for p in tpl.placeholders), [value, grad, *(s for s, _ in states), step_out]))

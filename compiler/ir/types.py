@@ -187,14 +187,36 @@ def _refs(args: Any) -> Iterator[str]:
             yield from _refs(a)
 
 
+@dataclass(frozen=True)
+class StateName:
+    """The name of an optimizer state input: which state of which parameter. Its text form
+    (in the IR, the plan and checkpoints) is ``exp_avg:h.0.attn.c_attn.weight``; the step
+    counter, shared by every parameter, is ``step``."""
+    state: str  # exp_avg, exp_avg_sq, momentum_buffer, step
+    param: str | None = None  # the parameter's FQN; None: shared
+
+    def __str__(self) -> str:
+        return self.state if self.param is None else f"{self.state}:{self.param}"
+
+    @classmethod
+    def parse(cls, text: str) -> StateName:
+        state, sep, param = text.partition(":")
+        return cls(state, param if sep else None)
+
+
 @dataclass
 class GraphInput:
     kind: InputKind
     value: str
     type: TensorType
-    name: str  # param/buffer FQN, "exp_avg:h.0.attn.c_attn.weight", or "batch.0"
+    name: str  # param/buffer FQN, a StateName's text ("exp_avg:h.0.attn.c_attn.weight"), or "batch.0"
     sbp: NdSbp | None = None
     why: str | None = None  # where its SBP came from (`sbpc explain`); not in the text IR
+
+    @property
+    def state_of(self) -> str | None:
+        """For optimizer state, the parameter it belongs to (None: not state, or the shared step)."""
+        return StateName.parse(self.name).param if self.kind == InputKind.STATE else None
 
 
 @dataclass

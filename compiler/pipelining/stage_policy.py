@@ -215,9 +215,9 @@ def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -
     for b in range(1, n + 1):
         prof.crossing[b] += prof.crossing[b - 1]
     prof.crossing[n] = 0
-    states: dict[str, int] = defaultdict(int)  # param name -> bytes of its optimizer state
+    states: dict[str | None, int] = defaultdict(int)  # param name -> bytes of its optimizer state
     for i in graph.inputs_of(InputKind.STATE):
-        states[i.name.partition(":")[2]] += i.type.nbytes
+        states[i.state_of] += i.type.nbytes
     for p in graph.inputs_of(InputKind.PARAM):
         if p.value in first:
             prof.static[first[p.value]] += 2 * p.type.nbytes + states.get(p.name, 0)
@@ -243,9 +243,8 @@ def optimizer_owners(graph: Graph) -> dict[int, set[str]]:
     param_of = {i.name: i.value for i in graph.inputs_of(InputKind.PARAM)}
     direct = {i.value: i.value for i in graph.inputs_of(InputKind.PARAM)}
     for i in graph.inputs_of(InputKind.STATE):
-        fqn = i.name.partition(":")[2]
-        if fqn in param_of:
-            direct[i.value] = param_of[fqn]
+        if i.state_of in param_of:
+            direct[i.value] = param_of[i.state_of]
     for o in graph.outputs_of(OutputKind.GRAD):
         if o.name in param_of:
             direct[o.value] = param_of[o.name]

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.frontend.hint_op import OP as HINT_OP
-from sbpc.compiler.frontend.hints import parse_spec_string
+from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp.cost_model import CostModel
@@ -35,11 +34,11 @@ class Solver:
                   {i.value for i in g.inputs}}
         by_name = {i.name: i for i in g.inputs}
         for i in g.inputs:
-            if i.kind == InputKind.STATE and i.name.partition(":")[2] in by_name:
+            if i.state_of in by_name:
                 continue  # after its parameter
             st.sbp[i.value], st.why[i.value] = self._input_sbp(i, hinted.get(i.value))
         for i in g.inputs:
-            param = by_name.get(i.name.partition(":")[2]) if i.kind == InputKind.STATE else None
+            param = by_name.get(i.state_of)
             if param is not None:
                 same = param.type.shape == i.type.shape
                 st.sbp[i.value] = st.sbp[param.value] if same else self._bcast()
@@ -57,14 +56,15 @@ class Solver:
         axes, sizes = st.axes, st.sizes
         nd = list(self._bcast())
         if hint_node is not None:
-            where = hint_node.args[2]
-            for axis, s in parse_spec_string(hint_node.args[1], where):
+            hint = hint_of(hint_node)
+            where = hint.source
+            for axis, s in hint.axes:
                 if axis in axes and sizes[axes.index(axis)] > 1:
                     if isinstance(s, Split):
                         s = Split(s.dim, max(s.parts, st.layouts.block_count(i.value, s.dim)))
                     nd[axes.index(axis)] = s
             self._check_divides(i.type, tuple(nd), f"{i.kind.value} {i.name!r}", where)
-            return tuple(nd), f"hint {hint_node.args[1]} at {where}"
+            return tuple(nd), f"hint {hint.spec()} at {where}"
         split = [a for a in (MICROBATCH, "dp") if a in axes and sizes[axes.index(a)] > 1]
         if i.kind == InputKind.BATCH and split:
             k = 1
@@ -95,14 +95,15 @@ class Solver:
             n = st.graph.nodes[idx]
             if n.op != HINT_OP:
                 continue
-            want = {axes.index(a): s for a, s in parse_spec_string(n.args[1], n.args[2]) if a in axes}
+            hint = hint_of(n)
+            want = {axes.index(a): s for a, s in hint.axes if a in axes}
             ok = [c for c in st.cands[idx] if all(sizes[a] == 1 or _same_kind(c.outs[0][a], s) for a, s in want.items())]
             if not ok:
                 src = next((i for i in st.graph.inputs if i.value == n.args[0].name), None)
                 what = f"{src.kind.value} {src.name!r}" if src else f"a {n.types[0].dtype} value"
                 over = ", ".join(f"{axes[a]}={sizes[a]}" for a in want if sizes[a] > 1)
-                raise CompileError(f"SBP {n.args[1]} of {what} does not divide its shape {list(n.types[0].shape)} over {over}",
-                                   location=n.args[2], hint="pick a split dim whose size is a multiple of the axis size, or B")
+                raise CompileError(f"SBP {hint.spec()} of {what} does not divide its shape {list(n.types[0].shape)} over {over}",
+                                   location=hint.source, hint="pick a split dim whose size is a multiple of the axis size, or B")
             for m in st.tied.get(idx, (idx,)):
                 st.cands[m] = ok
 
