@@ -56,6 +56,7 @@ class SbpPropagate:
 
     def _propagate(self, graph: Graph, ctx, rules: RuleBook, sizes: tuple[int, ...]) -> Graph:
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
+        axes = graph.mesh.sbp_axes
         busy = [a for a, k in enumerate(sizes) if k > 1]
         shared = _Shared(self.classes(graph), GraphIndex.of(graph))
         if len(busy) == 1:
