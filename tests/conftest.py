@@ -43,3 +43,26 @@ def sbpc(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the installed `sbpc` console script as a user would."""
     exe = Path(sys.executable).parent / "sbpc"
     return subprocess.run([str(exe), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+RANKS = ("threads", "processes")
+
+
+def sbpc_check(*args: str, ranks: str = "threads", timeout: int = 900) -> subprocess.CompletedProcess:
+    """`sbpc check ARGS --ranks RANKS`. ``processes``: the console script as a user runs it,
+    spawning one gloo process per rank. ``threads``: the same command run in this process, its
+    ranks as threads (runtime/threads.py): no interpreter for the command nor for any rank.
+    ``timeout`` bounds the subprocess; in process, every wait of a rank is bounded by --timeout."""
+    if ranks == "processes":
+        return sbpc("check", *args, "--ranks", "processes", timeout=timeout)
+    if ranks != "threads":
+        raise ValueError(f"ranks must be one of {RANKS}, not {ranks!r}")
+    import contextlib
+    import io
+
+    from sbpc.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["check", *args, "--ranks", "threads", "--timeout", str(timeout)])
+    return subprocess.CompletedProcess(["sbpc", "check", *args], code, out.getvalue(), err.getvalue())

@@ -1,5 +1,6 @@
-"""Data, tensor and sequence parallelism: parity with the single device on real gloo ranks,
-and the collectives each strategy must emit (counted per kind, axis, phase and layer)."""
+"""Data, tensor and sequence parallelism: parity with the single device (on in-process ranks,
+and on real gloo processes for one dp and one tp mesh), and the collectives each strategy must
+emit (counted per kind, axis, phase and layer)."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import sbpc
+from conftest import sbpc_check
 from sbpc.compiler.tools.comm_report import collectives
 from sbpc.compiler.driver import compile_model
 from sbpc.compiler.frontend.hints import load_config
@@ -27,27 +28,28 @@ MID = dict(hidden=1024, heads=8, vocab=8192, seq=128)
 BATCH = 4
 GPT = ["examples/gpt.py", "--config", "examples/gpt.megatron.toml"]
 HF = ["examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml"]
-# Two-way axes and their product; the four-way axes (4x1, 1x4) and GPT-2's one-axis meshes
-# passed in every run while they were in the suite and were dropped to keep it within CI's
-# time (each is one `sbpc check`). Four stages run in test_pipeline_parity.py (1x1x4), and
-# GPT-2 runs there on 2x2x2 too.
-MESHES = ["2x1", "1x2", "2x2"]
-HF_MESHES = ["2x2"]
+# Parity runs on in-process ranks (threads, runtime/threads.py): the same plan, the same
+# collectives and, on two-way axes, gloo's bits, without an interpreter per rank. Every mesh of
+# one and two axes up to four devices runs; a few run on real gloo processes (marked below).
+MESHES = ["2x1", "4x1", "1x2", "1x4", "2x2"]
+# Real multi-process gloo runs, one per strategy: data parallel and tensor parallel (pipeline:
+# test_pipeline_parity.py)
+GLOO = [("2x1", "processes"), ("1x2", "processes")]
 
 
-def _check(*args: str):
-    r = sbpc("check", *args, *OPT, "--steps", "2", "--tolerance", TOL, timeout=600)
+def _check(*args: str, ranks: str = "threads"):
+    r = sbpc_check(*args, *OPT, "--steps", "2", "--tolerance", TOL, ranks=ranks, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"largest deviation .*: PASS", r.stdout), r.stdout
     return r.stdout
 
 
+@pytest.mark.parametrize("mesh,ranks", [(m, "threads") for m in MESHES] + GLOO)
+def test_gpt_megatron_parity(mesh, ranks):
+    _check(*GPT, "--mesh", mesh, ranks=ranks)
+
+
 @pytest.mark.parametrize("mesh", MESHES)
-def test_gpt_megatron_parity(mesh):
-    _check(*GPT, "--mesh", mesh)
-
-
-@pytest.mark.parametrize("mesh", HF_MESHES)
 def test_hf_gpt2_parity(mesh):
     _check(*HF, "--mesh", mesh)
 

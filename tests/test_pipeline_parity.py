@@ -1,5 +1,5 @@
-"""Pipeline parallelism: parity with the single device on real gloo ranks (the acceptance
-meshes), and what a pipelined plan sends between stages.
+"""Pipeline parallelism: parity with the single device (the acceptance meshes, on in-process
+ranks; one mesh on real gloo processes), and what a pipelined plan sends between stages.
 
 Each check runs 3 steps of SGD with momentum and compares the loss, every gradient and every
 updated parameter with eager PyTorch on the whole batch (max relative deviation <= 1e-4).
@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import sbpc
+from conftest import sbpc_check
 from sbpc.compiler.tools.comm_report import collectives
 from sbpc.compiler.driver import compile_model
 from sbpc.compiler.frontend.hints import load_config
@@ -24,8 +24,8 @@ OPT = ["--optimizer", "sgd", "--momentum", "0.9", "--steps", "3", "--tolerance",
 GPT = ["examples/gpt.py", "--config", "examples/gpt.megatron.toml"]
 
 
-def _check(*args: str) -> str:
-    r = sbpc("check", *args, *OPT, timeout=900)
+def _check(*args: str, ranks: str = "threads") -> str:
+    r = sbpc_check(*args, *OPT, ranks=ranks, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"largest deviation .*: PASS", r.stdout), r.stdout
     assert len(re.findall(r"^\s+\d\s", r.stdout, re.M)) == 3  # three steps compared
@@ -38,9 +38,14 @@ WIDE = ["--set", "hidden=512", "--set", "heads=8", "--set", "vocab=2048", "--set
 
 
 @pytest.mark.parametrize("mesh,m,extra", [("1x1x2", 4, []), ("1x1x4", 4, []), ("1x1x4", 8, []), ("2x1x2", 4, []),
-                                          ("1x2x2", 4, WIDE), ("2x2x2", 4, [])])
+                                          ("1x2x2", 4, WIDE), ("2x2x2", 4, []), ("2x1x2", 4, ["--schedule", "gpipe"])])
 def test_gpt_pipeline_parity(mesh, m, extra):
     _check(*GPT, "--mesh", mesh, "--microbatches", str(m), "--batch-size", "8", *extra)
+
+
+def test_gpt_pipeline_parity_on_real_gloo_processes():
+    """The pipeline's send/recv over real gloo: one process per stage."""
+    _check(*GPT, "--mesh", "1x1x2", "--microbatches", "4", "--batch-size", "8", ranks="processes")
 
 
 def test_gpt_interleaved_pipeline_parity():
@@ -50,9 +55,10 @@ def test_gpt_interleaved_pipeline_parity():
 def test_hf_gpt2_pipeline_parity_with_tied_weights():
     """GPT-2 ties wte and lm_head: the weight lives on the first and the last stage, its
     gradient contributions meet at the owner, and the other copy receives the update."""
-    out = _check("examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml", "--mesh", "2x2x2",
-                 "--microbatches", "4")
-    assert "model.transformer" in out
+    for mesh in ("1x1x2", "2x2x2"):
+        out = _check("examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml", "--mesh", mesh,
+                     "--microbatches", "4")
+        assert "model.transformer" in out
 
 
 def _plan(mesh: str, m: int, config: str | None = "examples/gpt.megatron.toml", **sets):
