@@ -211,9 +211,6 @@ def test_the_callers_random_state_and_threads_are_restored():
 
 # ----- a plan on threads: gloo's losses bit for bit, and a passing check
 
-SGD = dict(kind="sgd", momentum=0.9)
-
-
 def _pipelined_plan(tmp_path):
     from sbpc.compiler.driver import compile_model
     from sbpc.compiler.frontend.model_loader import load_model
@@ -223,7 +220,7 @@ def _pipelined_plan(tmp_path):
     from sbpc.runtime.plan import save_plan
 
     source = load_model("examples/gpt.py", {"hidden": 32, "heads": 2, "vocab": 64, "seq": 16, "layers": 2})
-    plan = compile_model(source, parse_mesh("2x1x2"), batch_size=8, optimizer=OptimizerConfig(**SGD),
+    plan = compile_model(source, parse_mesh("2x1x2"), batch_size=8, optimizer=OptimizerConfig(),
                          pipeline=PipelineOptions(microbatches=2)).plan
     path = tmp_path / "plan.json"
     save_plan(plan, str(path))
@@ -248,7 +245,7 @@ def test_check_on_threads_passes_a_pipelined_plan_and_matches_eager(tmp_path):
     from sbpc.compiler.tools.check import check_on_ranks
 
     plan, _ = _pipelined_plan(tmp_path)
-    report = check_on_ranks(plan, OptimizerConfig(**SGD), steps=2, seed=0, tolerance=1e-4,
+    report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=1e-5,
                             timeout=TIMEOUT, ranks="threads")
     assert report.passed, report.table()
-    assert len(report.rows) == 3 and report.rows[0].params.value == 0.0  # init bit for bit, two steps
+    assert [row.step for row in report.rows] == ["init", "0", "1"]
