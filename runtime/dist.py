@@ -76,8 +76,8 @@ def init_distributed(mesh, *, timeout: float) -> Communicator:
     """Join the process group (from the environment) and build the communicator of ``mesh``:
     a Plan, a Topology, or ``[(axis, size), ...]`` in rank order. Refuses a WORLD_SIZE that is
     not the mesh's device count before touching the network. In a rank thread of
-    ``runtime.threads.launch_threads`` the communicator is that run's ``ThreadCommunicator``."""
-    from sbpc.runtime.threads import rank_thread_communicator
+    ``runtime.thread_launch.launch_threads`` the communicator is that run's ``ThreadCommunicator``."""
+    from sbpc.runtime.thread_launch import rank_thread_communicator
 
     axes = mesh_axes(mesh)
     in_process = rank_thread_communicator(axes, timeout)

@@ -21,7 +21,8 @@ failed first:
   ranks fail, the hung one is still running, and the error names it: ``rank N hung``.
 
 ``launch(..., ranks="threads")`` runs the ranks as threads of this process instead
-(``runtime.threads``): same target, same results and errors, no interpreter per rank.
+(``runtime/thread_launch.py``, ``runtime/threads.py``): same target, results and errors, no
+interpreter per rank.
 """
 from __future__ import annotations
 
@@ -72,14 +73,14 @@ def launch(world_size: int, target: str, payload: dict, *, timeout: float, grace
     collective. ``on_output(rank, line)`` receives the ranks' stdout lines as they come
     (default: rank 0's to stdout, the others' prefixed ``[rank N]``); stderr is kept for error
     reports (and echoed to stderr with ``echo_stderr``). ``ranks="threads"`` runs the ranks as
-    threads of this process instead (``runtime.threads.launch_threads``, same contract)."""
+    threads of this process instead (``runtime.thread_launch.launch_threads``, same contract)."""
     import torch.distributed as dist
 
     if ranks not in RANK_MODES:
         raise UsageError(f"ranks {ranks!r} is not one of {', '.join(RANK_MODES)}",
                          hint="processes: one gloo process per rank; threads: every rank in this process")
     if ranks == "threads":
-        from sbpc.runtime.threads import launch_threads
+        from sbpc.runtime.thread_launch import launch_threads
 
         return launch_threads(world_size, target, payload, timeout=timeout, grace=grace, on_output=on_output,
                               threads=threads)

@@ -16,7 +16,7 @@ import torch
 
 from sbpc.errors import PlanError, RuntimeFailure
 from sbpc.runtime.launch import launch
-from sbpc.runtime.threads import launch_threads
+from sbpc.runtime.thread_launch import launch_threads
 
 TIMEOUT = 60.0
 MESH_2X3 = [("dp", 2), ("tp", 3)]  # dp groups of 2 ranks, tp groups of 3
@@ -162,7 +162,7 @@ def test_ranks_calling_different_collectives_fail_naming_both(mode, called):
 
 
 def test_a_rank_thread_outside_a_launch_joins_gloo_as_before():
-    from sbpc.runtime.threads import rank_thread_communicator
+    from sbpc.runtime.thread_launch import rank_thread_communicator
 
     assert rank_thread_communicator((("dp", 2),), 1.0) is None
 
