@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.frontend.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph
-from sbpc.compiler.lower import lower
+from sbpc.compiler.lower import NEEDS as LOWER_NEEDS, lower
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
@@ -27,6 +27,7 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                   ctx: CompileContext | None = None, passes=None, config: ParallelConfig | None = None,
                   pipeline: PipelineOptions = PipelineOptions()) -> CompileResult:
     mesh = mesh.with_microbatches(pipeline.microbatches)
+    _manager(passes, ctx or CompileContext(), pipeline)  # a broken pass list fails before the capture
     t0 = time.perf_counter()
     graph = capture(source, mesh, batch_size, optimizer, config)
     result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
@@ -44,9 +45,17 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     captures once and compiles on many meshes."""
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
-    graph = PassManager(passes if passes is not None else default_pipeline(pipeline), ctx).run(graph)
+    graph = _manager(passes, ctx, pipeline).run(graph)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
     plan = lower(graph, model, optimizer, ctx.estimates)
     timings["total"] = time.perf_counter() - t0
     return CompileResult(plan=plan, graph=graph, timings=timings)
+
+
+def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions) -> PassManager:
+    """The pass manager of ``passes`` (default: the whole pipeline), its contracts checked,
+    lowering's included."""
+    manager = PassManager(passes if passes is not None else default_pipeline(pipeline), ctx)
+    manager.require("lower", LOWER_NEEDS)
+    return manager

@@ -11,9 +11,12 @@ from sbpc import __version__
 from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.frontend.optim import OptimizerConfig
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.passes.memory_plan import last_uses
 from sbpc.runtime import plan as P
 from sbpc.runtime.sbp import local_shape
+
+NEEDS = (Fact.ESTIMATES,)  # what the passes before lowering must provide (pass_manager)
 
 
 def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates: dict[str, int]) -> P.Plan:

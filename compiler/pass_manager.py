@@ -1,24 +1,39 @@
-"""The pass manager: named passes, IR verification after each, LLVM-style IR dumps.
+"""The pass manager: named passes, their contracts, IR verification after each, LLVM-style IR dumps.
 
 A pass is an object with a kebab-case ``name`` and ``apply(graph, ctx) -> graph``. Options are
-dataclass fields; policies (cost models, partitioners) are passed in, never hard-wired.
+dataclass fields; policies (cost models, partitioners) are passed in, never hard-wired. A pass
+declares the facts it ``needs`` and ``provides`` (class attributes; a pass that declares none
+needs and provides nothing); the manager checks a pass list before it runs anything, so a
+missing prerequisite is a one-line error naming the pass, the fact and who provides it.
 """
 from __future__ import annotations
 
+import enum
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol, TextIO
+from typing import ClassVar, Iterable, Protocol, TextIO
 
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.ir.verify import verify
-from sbpc.errors import OutputError, UsageError
+from sbpc.errors import CompileError, OutputError, UsageError
 from sbpc.runtime.files import write_atomic
+
+
+class Fact(enum.Enum):
+    """What a pass leaves in the IR or the context for the steps after it."""
+    STAGES = "every op placed on a pipeline chunk"
+    SBP = "an nd-SBP for every value"
+    BOXED = "the collectives that give every op the SBP it needs"
+    LOCAL = "per-device shape arguments"
+    ESTIMATES = "the memory estimates"
 
 
 class Pass(Protocol):
     name: str
+    needs: ClassVar[tuple[Fact, ...]]
+    provides: ClassVar[tuple[Fact, ...]]
 
     def apply(self, graph: Graph, ctx: "CompileContext") -> Graph: ...
 
@@ -37,7 +52,8 @@ class CompileContext:
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], ctx: CompileContext):
+    def __init__(self, passes: list[Pass], ctx: CompileContext, given: Iterable[Fact] = ()):
+        """``given``: the facts the input graph already has (IR read back after some passes)."""
         names = [p.name for p in passes]
         unknown = ctx.print_after - set(names) - {"capture"}
         if unknown:
@@ -45,6 +61,20 @@ class PassManager:
                              hint="passes: capture, " + ", ".join(names))
         self.passes = passes
         self.ctx = ctx
+        self.facts = set(given)  # once every pass has run: what the graph has
+        for p in passes:
+            self.require(p.name, getattr(p, "needs", ()))
+            self.facts.update(getattr(p, "provides", ()))
+
+    def require(self, step: str, needs: Iterable[Fact]) -> None:
+        """``step`` (a pass, or ``lower`` after them all) needs ``needs`` of the passes before it."""
+        from sbpc.compiler.passes import REGISTRY  # the passes import this module
+
+        for fact in needs:
+            if fact not in self.facts:
+                makers = [name for name, p in REGISTRY.items() if fact in p.provides]
+                raise CompileError(f"{step} needs {fact.value}, which no pass before it provides",
+                                   hint=f"run {' or '.join(makers)} before {step}" if makers else None)
 
     def run(self, graph: Graph) -> Graph:
         self._after("capture", graph, 0)

@@ -7,9 +7,9 @@ import pytest
 from conftest import compile_example
 from sbpc.compiler.ir.parser import parse_graph
 from sbpc.compiler.ir.verify import verify
-from sbpc.compiler.pass_manager import CompileContext, PassManager
-from sbpc.compiler.passes import default_pipeline
-from sbpc.errors import IRError, UsageError
+from sbpc.compiler.pass_manager import CompileContext, Fact, PassManager
+from sbpc.compiler.passes import REGISTRY, Boxing, Localize, MemoryPlan, SbpPropagate, default_pipeline
+from sbpc.errors import CompileError, IRError, UsageError
 
 BASE = """graph @g mesh<dp=1> {{
   input param %w : f32[4, 4] "w"
@@ -88,6 +88,44 @@ def test_print_after_and_dump_dir(tmp_path):
 def test_print_after_unknown_pass():
     with pytest.raises(UsageError, match=r"--print-after names unknown pass 'nope'.*passes: capture, normalize"):
         PassManager(default_pipeline(), CompileContext(print_after={"nope"}))
+
+
+def test_every_pass_declares_its_contract_and_the_default_pipeline_keeps_them():
+    for p in REGISTRY.values():
+        assert all(isinstance(f, Fact) for f in (*p.needs, *p.provides)), p.name
+    PassManager(default_pipeline(), CompileContext()).require("lower", (Fact.ESTIMATES,))
+
+
+# each fact some pass needs: dropping every pass that provides it breaks the pipeline there
+NEEDED = sorted({f for p in REGISTRY.values() for f in p.needs}, key=lambda f: f.name)
+
+
+@pytest.mark.parametrize("fact", NEEDED, ids=[f.name for f in NEEDED])
+def test_a_missing_prerequisite_names_the_pass_and_what_it_lacks(fact):
+    kept = [p for p in default_pipeline() if fact not in p.provides]
+    first = next(p for p in kept if fact in p.needs)
+    makers = " or ".join(name for name, p in REGISTRY.items() if fact in p.provides)
+    with pytest.raises(CompileError, match=rf"^{first.name} needs {re.escape(fact.value)}, which no pass before "
+                                           rf"it provides; hint: run {makers} before {first.name}$"):
+        PassManager(kept, CompileContext())
+
+
+def test_compile_model_checks_the_pass_list_before_capturing(monkeypatch):
+    from sbpc.compiler import driver
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+
+    monkeypatch.setattr(driver, "capture", lambda *a: pytest.fail("captured a model its passes cannot compile"))
+    source = load_model("examples/mlp.py", {})
+    compile_ = lambda passes: driver.compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig(),
+                                                   passes=passes)
+    with pytest.raises(CompileError, match=r"^localize needs the collectives .*; hint: run boxing before localize$"):
+        compile_([SbpPropagate(), Localize(), MemoryPlan()])
+    with pytest.raises(CompileError, match=r"^lower needs the memory estimates, .*; hint: run memory-plan before lower$"):
+        compile_([SbpPropagate(), Boxing()])
+    # given facts: IR read back after boxing may go on from there
+    PassManager([Localize()], CompileContext(), given=[Fact.BOXED])
 
 
 def test_memory_plan_estimates_match_the_model():

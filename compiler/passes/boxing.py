@@ -12,7 +12,9 @@ The pass ends by verifying that every consumer receives exactly the SBP it expec
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
@@ -23,6 +25,8 @@ from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 @dataclass
 class Boxing:
     name: str = "boxing"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.SBP,)
+    provides: ClassVar[tuple[Fact, ...]] = (Fact.BOXED,)
 
     def apply(self, graph: Graph, ctx) -> Graph:
         return _Inserter(graph).run()

@@ -11,7 +11,9 @@ reduced exactly once; gradients live until their bucket is reduced, as in DDP.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, Node, Role
 from sbpc.compiler.ir.mesh import MICROBATCH, Mesh
 from sbpc.runtime.kinds import Collective
@@ -23,6 +25,8 @@ OP = Collective.ALL_REDUCE_COALESCED.op
 @dataclass
 class Coalesce:
     name: str = "coalesce"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.BOXED,)
+    provides: ClassVar[tuple[Fact, ...]] = ()
     bucket_bytes: int = 25 * 2**20
 
     def apply(self, graph: Graph, ctx) -> Graph:

@@ -8,7 +8,9 @@ never merged: two dropout masks are two draws.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.aten import is_random
 from sbpc.compiler.ir.types import Graph, Node, rename_uses
 
@@ -16,6 +18,8 @@ from sbpc.compiler.ir.types import Graph, Node, rename_uses
 @dataclass
 class CommonSubexpressionElimination:
     name: str = "cse"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = ()
 
     def apply(self, graph: Graph, ctx) -> Graph:
         seen: dict[tuple, Node] = {}

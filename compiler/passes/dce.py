@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph
 
 
 @dataclass
 class DeadCodeElimination:
     name: str = "dce"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = ()
 
     def apply(self, graph: Graph, ctx) -> Graph:
         live = {o.value for o in graph.outputs}

@@ -16,7 +16,9 @@ bit). Each rewrite computes the same value with ops that have SBP rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
 
 _MEAN, _SUM = 1, 2
@@ -25,6 +27,8 @@ _MEAN, _SUM = 1, 2
 @dataclass
 class Decompose:
     name: str = "decompose"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = ()
     always: bool = False  # also on one-device meshes (tests of the rewrite itself)
 
     def apply(self, graph: Graph, ctx) -> Graph:

@@ -9,7 +9,9 @@ already physical. After this pass the program is the SPMD program every device r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, Node
 from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.runtime.kinds import Collective
@@ -19,6 +21,8 @@ from sbpc.runtime.sbp import Broadcast
 @dataclass
 class Localize:
     name: str = "localize"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.BOXED,)
+    provides: ClassVar[tuple[Fact, ...]] = (Fact.LOCAL,)
     rules: RuleBook | None = None
 
     def apply(self, graph: Graph, ctx) -> Graph:

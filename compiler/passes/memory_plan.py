@@ -8,7 +8,9 @@ logical tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
 
 
@@ -42,6 +44,8 @@ def last_uses(graph: Graph) -> dict[int, list[str]]:
 @dataclass
 class MemoryPlan:
     name: str = "memory-plan"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.SBP,)
+    provides: ClassVar[tuple[Fact, ...]] = (Fact.ESTIMATES,)
 
     def apply(self, graph: Graph, ctx) -> Graph:
         sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)

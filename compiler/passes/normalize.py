@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, Node, rename_uses
 
 # (captured op, neutral op, positional parameter names after the tensors' defaults)
@@ -22,6 +24,8 @@ _IDENTITY = {"aten.detach.default", "aten.alias.default"}
 @dataclass
 class Normalize:
     name: str = "normalize"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = ()
 
     def apply(self, graph: Graph, ctx) -> Graph:
         rename: dict[str, str] = {}

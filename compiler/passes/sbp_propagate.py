@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.sbp.axis_use import check_axes_split
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.mesh import MICROBATCH
@@ -34,6 +36,8 @@ from sbpc.runtime.sbp import Broadcast, Split
 @dataclass
 class SbpPropagate:
     name: str = "sbp-propagate"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = (Fact.SBP,)
     cost_model: CostModel = field(default_factory=AlphaBeta)
     rules: RuleBook | None = None  # default: ir_specs/aten.sbp
     rounds: int = 6

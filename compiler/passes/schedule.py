@@ -25,7 +25,9 @@ on any wait cycle, before it goes into the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses, users
 from sbpc.compiler.sbp.boxing_plan import SEQUENTIAL_STEPS
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
@@ -44,6 +46,8 @@ _ORDER = {Role.PRE: 0, Role.FORWARD: 1, Role.BACKWARD: 2, Role.OPTIMIZER: 3}
 @dataclass
 class Schedule:
     name: str = "schedule"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.STAGES, Fact.LOCAL)
+    provides: ClassVar[tuple[Fact, ...]] = ()
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
     cost: TaskCost | None = None  # durations for the simulation; unit cost when None

@@ -16,7 +16,9 @@ into contiguous groups. The rules every result obeys, and ``check_stages`` enfor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
+from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, first_readers,
                                         in_flight, layer_key, optimizer_owners, profile)
@@ -28,6 +30,8 @@ _HINT_FIX = "check the sbpc.stage scopes and the [stages] globs of the parallel 
 @dataclass
 class StagePartition:
     name: str = "stage-partition"
+    needs: ClassVar[tuple[Fact, ...]] = ()
+    provides: ClassVar[tuple[Fact, ...]] = (Fact.STAGES,)
     policy: StagePolicy = field(default_factory=CostBalanced)
     virtual_stages: int = 1  # chunks per pp stage (interleaved schedule)
     microbatches: int = 1  # the policy prices the activations each chunk keeps in flight
