@@ -14,6 +14,7 @@ import torch
 
 from conftest import compile_example
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, InputKind, Node, Ref, Role, TensorType
+from sbpc.compiler.sbp.rules.sweep import trace
 from sbpc.compiler.sbp.rules.validate import AXIS, Instance, instances, record, run_node, validate
 from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.errors import IRError
@@ -155,14 +156,56 @@ def _synthetic() -> list[Instance]:
         synth("aten.squeeze.default", x(4, 1, 8)), synth("aten.squeeze.dims", x(4, 1, 8, 1), [1, 3]),
         synth("aten.stack.default", [x(4, 6), x(4, 6)], 1), synth("aten.triu.default", x(4, 8, 8)),
         synth("aten.unbind.int", x(4, 3, 6), 1), synth("aten.unflatten.int", x(4, 24), 1, [4, 6]),
+        # dims: negative, on 0-d tensors (dim 0 names no dim), and cat's legacy 1-D empty inputs
+        synth("aten.cat.default", [x(4, 6), torch.empty(0), x(4, 6)], -1),
+        synth("aten.cumsum.default", torch.tensor(2.0), -1), synth("aten.amax.default", torch.tensor(2.0), [0]),
+        synth("aten.gather.default", torch.tensor(2.0), 0, torch.tensor(0)),
+        synth("aten.view_copy.default", x(4, 6, 8), [24, 8]), synth("aten.permute_copy.default", x(4, 6, 8), [2, 0, 1]),
+        synth("aten.transpose_copy.int", x(4, 6, 8), 0, 2), synth("aten.t_copy.default", x(4, 6)),
+        synth("aten.unsqueeze_copy.default", x(4, 6), 1), synth("aten.squeeze_copy.dim", x(4, 1, 6), 1),
+        synth("aten.squeeze_copy.dims", x(4, 1, 6), [1]), synth("aten.squeeze_copy.default", x(4, 1, 6)),
+        synth("aten.expand_copy.default", x(4, 1, 6), [4, 8, 6]), synth("aten.narrow_copy.default", x(8, 12), 1, 2, 6),
+        synth("aten.unbind_copy.int", x(4, 3, 6), 1), synth("aten.split_with_sizes_copy.default", x(8, 12), [4, 8], 1),
+        synth("aten.unsafe_split.Tensor", x(8, 12), 4, 1), synth("aten.diagonal.default", x(4, 6, 6), 0, 1, 2),
+        synth("aten.diagonal_copy.default", x(6, 6, 4), 1, 0, 1),
+        synth("aten.scatter_reduce.two", x(8, 6), 1, ids(6, 8, 4), x(8, 4), "amax"),
+        synth("aten.index_copy.default", x(8, 6), 0, torch.randperm(8, generator=g)[:4], x(4, 6)),
+        synth("aten.index_fill.int_Scalar", x(8, 6), 1, ids(6, 3), 2.0),
+        synth("aten.index_fill.int_Tensor", x(8, 6), 1, ids(6, 3), torch.tensor(2.0)),
+        synth("aten.select_scatter.default", x(4, 6, 8), x(4, 8), 1, 2),
+        synth("aten.slice_scatter.default", x(4, 6, 8), x(4, 2, 8), 1, 2, 4),
+        synth("aten.glu.default", x(4, 12), -1), synth("aten.glu_backward.default", x(4, 6), x(4, 12), -1),
         synth("sbpc.attention", q, k, v, 0.0, False),
         synth("sbpc.attention_backward", x(4, 4, 8, 8), q, k, v, out, lse, 0.0, False),
     ]
 
 
+def _traced() -> list[Instance]:
+    """Instances of the convolution, pooling, resampling and padding ops (and their backwards,
+    by autograd), recorded as ATen calls on real values."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(1)
+    x = lambda *s: torch.randn(*s, generator=g).requires_grad_()
+    cases = [(F.conv2d, x(4, 6, 8, 8), x(4, 6, 3, 3), x(4)), (F.conv_transpose1d, x(4, 6, 8), x(6, 4, 3)),
+             (lambda a: F.interpolate(a, scale_factor=2, mode="bilinear", antialias=True), x(4, 6, 4, 4)),
+             (lambda a: F.interpolate(a, scale_factor=2, mode="bicubic", antialias=True), x(4, 6, 4, 4))]
+    for d, size in ((1, (4, 6, 8)), (2, (4, 6, 8, 8)), (3, (4, 6, 4, 4, 4))):
+        cases += [(lambda a, d=d: getattr(F, f"avg_pool{d}d")(a, 2), x(*size)),
+                  (lambda a, d=d: getattr(F, f"max_pool{d}d")(a, 2), x(*size)),
+                  (lambda a, d=d: getattr(F, f"adaptive_avg_pool{d}d")(a, 3), x(*size)),
+                  (lambda a, d=d: getattr(F, f"adaptive_max_pool{d}d")(a, 3), x(*size)),
+                  (lambda a: F.interpolate(a, scale_factor=2, mode="nearest"), x(*size)),
+                  (lambda a: F.interpolate(a, scale_factor=2, mode="nearest-exact"), x(*size)),
+                  (lambda a, d=d: F.interpolate(a, scale_factor=2, mode=("linear", "bicubic", "trilinear")[d - 1]), x(*size)),
+                  (lambda a, d=d: F.pad(a, (1, 2) * d, mode="reflect"), x(*size)),
+                  (lambda a, d=d: F.pad(a, (1, 2) * d, mode="replicate"), x(*size))]
+    cases.append((lambda a: F.interpolate(a, scale_factor=2, mode="bilinear"), x(4, 6, 4, 4)))
+    return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]
+
+
 @pytest.fixture(scope="module")
 def report(book, graph_instances):
-    return validate(book, graph_instances + _synthetic(), sizes=SIZES)
+    return validate(book, graph_instances + _synthetic() + _traced(), sizes=SIZES)
 
 
 def test_every_signature_computes_the_logical_result(report):

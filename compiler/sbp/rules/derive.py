@@ -26,7 +26,8 @@ SOURCE = "<derived from torch metadata>"
 # not linear in x), so one entry serves the Tensor and Scalar overloads alike.
 LINEAR: dict[str, tuple[tuple[str, ...], ...]] = {
     "neg": (("self",),), "positive": (("self",),), "clone": (("self",),), "alias": (("self",),),
-    "detach": (("self",),), "lift_fresh_copy": (("self",),), "deg2rad": (("self",),), "rad2deg": (("self",),),
+    "detach": (("self",),), "lift_fresh": (("self",),), "lift_fresh_copy": (("self",),),
+    "alias_copy": (("self",),), "deg2rad": (("self",),), "rad2deg": (("self",),),
     "add": (("self", "other"),), "sub": (("self", "other"),), "rsub": (("self", "other"),),
     "mul": (("self",), ("other",)), "div.Tensor": (("self",),), "div.Scalar": (("self",),),
     "true_divide": (("self",),),
@@ -40,7 +41,7 @@ LINEAR: dict[str, tuple[tuple[str, ...], ...]] = {
 # (-inf for an empty block), so log and sqrt, which turn it into nan, are not listed.
 _UNARY_MONOTONE = ("exp", "exp2", "expm1", "tanh", "sigmoid", "relu", "erf", "atan", "asinh", "sinh",
                    "floor", "ceil", "trunc", "round", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh",
-                   "hardsigmoid", "clone", "alias", "detach", "lift_fresh_copy", "deg2rad", "rad2deg", "positive")
+                   "hardsigmoid", "clone", "alias", "detach", "lift_fresh", "lift_fresh_copy", "alias_copy", "deg2rad", "rad2deg", "positive")
 MONOTONE: dict[str, tuple[tuple[str, ...], ...]] = {
     **{op: (("self",),) for op in _UNARY_MONOTONE},
     "add": (("self",),), "sub": (("self",),), "where.self": (("self", "other"),),
@@ -50,22 +51,25 @@ MONOTONE: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 # Elementwise by meaning though not tagged pointwise; the backward ones are grad * f'(x).
-ELEMENTWISE = ("masked_fill.Tensor", "alias", "detach", "lift_fresh_copy", "fill", "copy")
+ELEMENTWISE = ("masked_fill.Tensor", "alias", "detach", "lift_fresh", "lift_fresh_copy", "fill", "copy", "rsub",
+               "floor_divide", "hardswish", "alias_copy")
 POINTWISE_BACKWARD = ("hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
                       "hardsigmoid_backward", "hardswish_backward", "mish_backward", "log_sigmoid_backward",
-                      "rrelu_with_noise_backward")
+                      "rrelu_with_noise_backward", "softshrink_backward", "hardshrink_backward")
 
 # Reductions over a dim list: how a split reduced dim combines ("none": it may not split).
 REDUCTIONS = {
     "sum": "sum", "nansum": "sum", "mean": "mean", "count_nonzero": "sum", "amax": "max", "max": "max",
     "amin": "none", "min": "none", "prod": "none", "var": "none", "std": "none", "var_mean": "none",
     "std_mean": "none", "any": "none", "all": "none", "argmax": "none", "argmin": "none",
-    "logsumexp": "none", "linalg_vector_norm": "none", "norm": "none", "nanmean": "mean",
+    "logsumexp": "none", "linalg_vector_norm": "none", "norm": "none", "nanmean": "mean", "aminmax": "none",
+    "median": "none", "nanmedian": "none", "mode": "none", "kthvalue": "none",
 }
 REDUCE_LINEAR = {"sum": "partial", "mean": "partial", "nanmean": None, "amax": "pmax", "max": "pmax"}
 
 # Scans along one dim: that dim may not split; cumsum is linear.
-SCANS = {"cumsum": True, "cumprod": False, "logcumsumexp": False, "cummax": False, "cummin": False}
+SCANS = {"cumsum": True, "cumprod": False, "logcumsumexp": False, "cummax": False, "cummin": False,
+         "sort": False, "topk": False}
 
 
 def _lookup(table: dict, op: str):

@@ -174,6 +174,25 @@ def scatter_add(c, self, dim, index, src):
     return _scatter_nest(c, self, dim, index, src, reduce=True), []
 
 
+@family("index_copy")
+def index_copy(c, self, dim, index, source):
+    """Source rows written at ``index`` along dim: the other dims split together."""
+    lp, extra = index_add(c, self, dim, index, source)
+    if lp is not None:
+        lp.reduce, lp.terms = {}, {}
+        lp.fixed.add("i")
+    return lp, extra
+
+
+@family("unselect_into")
+def unselect_into(c, self, src, dim):
+    """``select_scatter``: src written into the selected slice of self; other dims split together."""
+    rank = len(c.shape(c.tensor(self)))
+    d = norm_dim(c.value(dim), rank)
+    lets = letters(rank)
+    return Loops(ins={c.tensor(self): lets, c.tensor(src): lets[:d] + lets[d + 1:]}, outs=[lets], fixed={lets[d]}), []
+
+
 @family("index_add")
 def index_add(c, self, dim, index, source):
     """self + source rows added at ``index`` along dim: other dims split together; split

@@ -88,20 +88,21 @@ def to_instance(func, args: tuple, kwargs: dict, out: Any, origin: str) -> Insta
     return Instance(node, [_ttype(v) for v in values], values, outs, origin)
 
 
-def _grad_inputs(sample) -> list[torch.Tensor]:
-    leaves = [sample.input, *sample.args, *sample.kwargs.values()]
-    flat = torch.utils._pytree.tree_leaves(leaves)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
 def trace_sample(opinfo, sample, origin: str) -> list[Instance]:
     """The ATen calls of one sample, forward and (where it has a gradient) backward."""
+    return trace(opinfo.op, (sample.input, *sample.args), sample.kwargs, origin)
+
+
+def trace(fn, args: tuple, kwargs: dict, origin: str) -> list[Instance]:
+    """The ATen calls of ``fn(*args, **kwargs)``, forward and, for the inputs that require a
+    gradient, backward."""
     rec = _Recorder()
     with rec:
-        out = opinfo.op(sample.input, *sample.args, **sample.kwargs)
+        out = fn(*args, **kwargs)
         leaves = [t for t in torch.utils._pytree.tree_leaves(out)
                   if isinstance(t, torch.Tensor) and t.requires_grad and t.dtype.is_floating_point]
-        wrt = _grad_inputs(sample)
+        wrt = [t for t in torch.utils._pytree.tree_leaves([args, kwargs])
+               if isinstance(t, torch.Tensor) and t.requires_grad]
         if leaves and wrt:
             g = torch.Generator().manual_seed(0)
             grads = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in leaves]

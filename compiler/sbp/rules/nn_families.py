@@ -1,0 +1,95 @@
+"""Families of the convolution, pooling, upsampling and padding ops, and of diagonal.
+
+These ops mix a fixed number of trailing spatial dims (never split: a window or a resampling
+crosses block boundaries); the leading batch and channel dims split freely, and a
+convolution's channels contract like a matmul.
+"""
+from __future__ import annotations
+
+import math
+
+from sbpc.compiler.sbp.rules.families import family
+from sbpc.compiler.sbp.rules.loops import B, Cand, Loops, letters, norm_dim
+from sbpc.runtime.sbp import Partial, Split
+
+
+def _spatial_nest(c, n, tensors) -> Loops:
+    k = c.value(n)
+    lp = Loops()
+    lead = None
+    for a in tensors:
+        key = c.tensor(a)
+        if key is None:
+            continue
+        r = len(c.shape(key))
+        lp.ins[key] = letters(r - k) + [None] * k
+        lead = r - k if lead is None else lead
+    for t in c.node.types:
+        lp.outs.append(letters(len(t.shape) - k) + [None] * k)
+    return lp
+
+
+@family("spatial")
+def spatial(c, n, *tensors):
+    """Pooling, upsampling, reflection/replication padding and their backwards: the last
+    ``n`` dims never split, the leading (batch, channel) dims split together."""
+    return _spatial_nest(c, n, tensors), []
+
+
+def _spatial_sized_loc(lc, size, n, *tensors):
+    lc.set[size.value] = lc.local_out(0)
+
+
+@family("spatial_sized", _spatial_sized_loc)
+def spatial_sized(c, size, n, *tensors):
+    """The same for a backward told its input's full shape (``upsample_*_backward``)."""
+    return _spatial_nest(c, n, tensors), []
+
+
+@family("convolution")
+def convolution(c, input, weight, bias, transposed, groups):
+    """Batch split -> split output; output channels split with the weight; input channels
+    split with the weight -> P (the bias, an added term, P too). Grouped: batch only."""
+    x, w, b = c.tensor(input), c.tensor(weight), c.tensor(bias)
+    r = len(c.shape(x))
+    sp = [None] * (r - 2)
+    wl = ["c", "o"] if c.value(transposed) else ["o", "c"]
+    lp = Loops(ins={x: ["n", "c", *sp], w: [*wl, *sp]}, outs=[["n", "o", *sp]], reduce={"c": "sum"})
+    if b:
+        lp.ins[b] = ["o"]
+        lp.terms = {b: 0, x: 1, w: 1}
+    if c.value(groups) != 1:
+        lp.fixed |= {"c", "o"}
+    return lp, []
+
+
+def _conv_bwd_loc(lc, grad_output, weight, bias_sizes, transposed, groups):
+    if lc.value(bias_sizes) is None:
+        return
+    parts = math.prod(k for k, s in zip(lc.sizes, lc.nd(grad_output)) if s == Split(1))
+    lc.set[bias_sizes.value] = [lc.value(bias_sizes)[0] // parts]
+
+
+@family("convolution_backward", _conv_bwd_loc)
+def convolution_backward(c, grad_output, weight, bias_sizes, transposed, groups):
+    """(grad_input, grad_weight, grad_bias): a batch split sums the weight and bias gradients
+    (P); an output-channel split leaves grad_input P; an input-channel split leaves the bias
+    gradient whole on every device. Grouped: batch only."""
+    g, w = c.tensor(grad_output), c.tensor(weight)
+    x = next(k for k in c.tensors() if k not in (g, w))
+    wo, wc = (1, 0) if c.value(transposed) else (0, 1)
+    cands = [Cand({g: Split(0), x: Split(0)}, [Split(0), Partial(), Partial()], "batch split")]
+    if c.value(groups) == 1:
+        cands += [Cand({g: Split(1), w: Split(wo)}, [Partial(), Split(wo), Split(0)], "output channels split"),
+                  Cand({x: Split(1), w: Split(wc)}, [Split(1), Split(wc), B], "input channels split")]
+    return None, cands
+
+
+@family("diagonal")
+def diagonal(c, self, dim1, dim2):
+    """The two diagonal dims never split; the others pass, the diagonal becomes the last dim."""
+    rank = len(c.shape(c.tensor(self)))
+    d1, d2 = norm_dim(c.value(dim1), rank), norm_dim(c.value(dim2), rank)
+    lets = letters(rank)
+    out = [x for d, x in enumerate(lets) if d not in (d1, d2)] + [None]
+    return Loops(ins={c.tensor(self): lets}, outs=[out], fixed={lets[d1], lets[d2]}), []
