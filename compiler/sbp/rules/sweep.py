@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Node, Ref, Role, Sym, TensorType
 from sbpc.compiler.sbp.rules.book import RuleBook
 from sbpc.compiler.sbp.rules.validate import Instance, Outcome, check
+from sbpc.runtime.backend import torch_op
 
 SIZES = (2, 3)  # odd sizes catch uneven-split mistakes
 
@@ -227,6 +228,7 @@ class Coverage:
     seen: int  # ... with a non-trivial rule that the op_db samples called
     validated: int  # ... of those, checked with a non-B signature and never wrong
     dtensor: int  # ATen overloads DTensor registers a strategy for
+    dtensor_functional: int  # ... of those, the functional ones (no in-place or out= form), the IR's kind
 
     @property
     def total(self) -> int:
@@ -238,12 +240,15 @@ class Coverage:
                 ("  derived from torch metadata", self.derived),
                 ("  called by the op_db samples", self.seen),
                 ("  validated by the sweep (every signature, k=2 and 3)", self.validated),
-                ("DTensor: overloads with a registered strategy", self.dtensor)]
-        return "\n".join(f"{name:<56} {n:>6}" for name, n in rows)
+                ("DTensor: overloads with a registered strategy", self.dtensor),
+                ("  functional (not in-place, not out=), the kind the IR holds", self.dtensor_functional)]
+        return "\n".join(f"{name:<62} {n:>6}" for name, n in rows)
 
 
 def coverage(book: RuleBook, result: Sweep) -> Coverage:
     hand = [op for op in book.ops() if op.startswith("aten.") and nontrivial(book, op)]
     derived = [op for op in book.derived_ops() if nontrivial(book, op)]
     seen = {op for op in result.seen if nontrivial(book, op)}
-    return Coverage(len(hand), len(derived), len(seen), len(result.validated() & seen), len(dtensor_overloads()))
+    dt = dtensor_overloads()
+    functional = [op for op in dt if (k := torch_op(op)) is not None and not k._schema.is_mutable]
+    return Coverage(len(hand), len(derived), len(seen), len(result.validated() & seen), len(dt), len(functional))
