@@ -196,17 +196,22 @@ def replay(graph: TaskGraph, order: list[list[Task]], device_of) -> None:
 
 
 def _cycle_message(graph, order, pos, done, deps, device_of) -> str:
+    import networkx as nx  # only when an order hangs
+
     waits = {}
     for d, dev in enumerate(order):
         if pos[d] < len(dev):
             t = dev[pos[d]]
             blocker = next(x for x in deps[t] if x not in done)
             waits[d] = (t, blocker, device_of(blocker.chunk))
-    d, seen = next(iter(waits)), []
-    while d in waits and d not in seen:
-        seen.append(d)
-        d = waits[d][2]
-    cycle = seen[seen.index(d):] if d in seen else seen
+    # the wait-for graph of the stuck stages: the deadlock is its cycle reached from the first
+    # (no cycle: a task no stage runs; then the chain of waits that ends there)
+    wait_for = nx.DiGraph((d, w[2]) for d, w in waits.items())
+    first = next(iter(waits))
+    try:
+        cycle = [d for d, _ in nx.find_cycle(wait_for, source=first)]
+    except nx.NetworkXNoCycle:
+        cycle = [d for d in nx.dfs_preorder_nodes(wait_for, first) if d in waits]
     parts = [f"stage {s} waits in {fmt(waits[s][0])} for {fmt(waits[s][1])} on stage {waits[s][2]}" for s in cycle]
     return "pipeline deadlock: " + "; ".join(parts)
 

@@ -25,6 +25,8 @@ on any wait cycle, before it goes into the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+import networkx as nx
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
@@ -95,6 +97,7 @@ class _Cutter:
             self.sbp.update(zip(n.outputs, n.sbp or []))
         self.producer = graph.producers()
         self.fresh = FreshNames(set(self.sbp) | set(self.producer))
+        self._dag: nx.DiGraph | None = None  # see _ancestors
 
     def per_mb(self, v: str) -> bool:
         nd = self.sbp.get(v)
@@ -166,15 +169,16 @@ class _Cutter:
         return out
 
     def _ancestors(self, nodes: list[Node], v: str) -> list[int]:
-        seen, stack = set(), [v]
-        while stack:
-            u = stack.pop()
-            i = self.producer.get(u)
-            if i is None or i in seen:
-                continue
-            seen.add(i)
-            stack.extend(nodes[i].uses())
-        return sorted(seen)
+        """The ops ``v`` is computed from, itself included (program order)."""
+        p = self.producer.get(v)
+        if p is None:
+            return []
+        if self._dag is None:  # producer -> reader, built once, when a reduction first asks
+            self._dag = nx.DiGraph()
+            self._dag.add_nodes_from(range(len(nodes)))
+            self._dag.add_edges_from((self.producer[u], i) for i, n in enumerate(nodes) for u in n.uses()
+                                     if u in self.producer)
+        return sorted(nx.ancestors(self._dag, p) | {p})
 
     def _step_values_for_optimizer(self, nodes: list[Node]) -> list[Node]:
         """The once-a-step phase recomputes the per-step values it reads from a micro-batch

@@ -3,7 +3,7 @@
 The rule book gives 1-D signatures per op. Here they become nd-signatures (one 1-D signature
 per mesh axis, every split dividing its dim evenly), and the block count of each strided
 split is fixed by a whole-graph analysis: positions that one signature splits together must
-share their layout, so they are joined in a union-find; a ``split``/``cat`` of k equal parts
+share their layout, so they are joined in a union-find (networkx's); a ``split``/``cat`` of k equal parts
 makes its class ``S(d:k)``. A fused qkv weight hinted ``S(0)`` so becomes ``S(0:3)`` and is
 sharded per head, with no collective before the ``split``.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+
+from networkx.utils import UnionFind
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import Graph, Node, TensorType
@@ -25,22 +27,6 @@ class NdSignature:
     ins: tuple[NdSbp, ...]
     outs: tuple[NdSbp, ...]
     notes: tuple[str, ...]  # one per axis
-
-
-class _UnionFind:
-    def __init__(self):
-        self.parent: dict = {}
-
-    def find(self, x):
-        p = self.parent.setdefault(x, x)
-        if p != x:
-            p = self.parent[x] = self.find(p)
-        return p
-
-    def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
 
 
 class Layouts:
@@ -90,7 +76,7 @@ class Layouts:
         return self.rules.signatures(n, in_types, k)
 
     def _strides(self) -> dict[tuple[str, int], int]:
-        uf, demands = _UnionFind(), []
+        uf, demands = UnionFind(), []  # (value, dim) -> its layout class
         ks = sorted(self.per_size)
         patterns = self._memo.setdefault("patterns", {})
         self._split_at: list[tuple] = []  # per node: the (position, dim) pairs some signature splits
@@ -111,11 +97,10 @@ class Layouts:
         # demands resolve against the final classes
         merged: dict = {}
         for at, parts in demands:
-            merged.setdefault(uf.find(at), set()).add(parts)
-        self._uf = uf
+            merged.setdefault(uf[at], set()).add(parts)
         parts = {root: next(iter(p)) for root, p in merged.items() if len(p) == 1}
         # every (value, dim) of more than one block: the rest have one
-        self._blocks = {x: parts[r] for x in list(uf.parent) if (r := uf.find(x)) in parts}
+        self._blocks = {x: parts[r] for x in list(uf.parents) if (r := uf[x]) in parts}
         return parts
 
     def block_count(self, value: str, dim: int) -> int:
