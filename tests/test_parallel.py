@@ -28,6 +28,7 @@ HF = ["examples/hf_gpt2.py", "--config", "examples/hf_gpt2.megatron.toml"]
 # collectives and, on two-way axes, gloo's bits, without an interpreter per rank. Every mesh of
 # one and two axes up to four devices runs; a few run on real gloo processes (marked below).
 MESHES = ["2x1", "4x1", "1x2", "1x4", "2x2"]
+ODD = ["3x1"]  # three-way data parallel: batch 3, sums over three ranks (tp=3 divides no head count here)
 # Real multi-process gloo runs, one per strategy: data parallel and tensor parallel (pipeline:
 # test_pipeline_parity.py)
 GLOO = [("2x1", "processes"), ("1x2", "processes")]
@@ -40,7 +41,7 @@ def _check(*args: str, ranks: str = "threads"):
     return r.stdout
 
 
-@pytest.mark.parametrize("mesh,ranks", [(m, "threads") for m in MESHES] + GLOO)
+@pytest.mark.parametrize("mesh,ranks", [(m, "threads") for m in MESHES + ODD] + GLOO)
 def test_gpt_megatron_parity(mesh, ranks):
     _check(*GPT, "--mesh", mesh, ranks=ranks)
 
