@@ -146,6 +146,40 @@ def test_a_hung_rank_is_named_after_the_timeout_like_on_gloo():
     assert err.rank == 1 and took < 10
 
 
+def test_a_hung_rank_0_is_named_by_the_rank_that_waited_to_run():
+    text, err, _ = _misbehave("hang", ranks=2, victim=0, timeout=1)
+    assert text.startswith("rank 0 hung: rank 1 gave up waiting for it after 1s (start of rank 1 failed on rank 1: "
+                           "no answer from rank 0 within 1s"), text
+    assert err.rank == 0
+
+
+def pipeline_misbehave(payload):
+    """Rank 0 sends to rank 1 and receives its answer; rank 1 fails or leaves instead."""
+    from sbpc.runtime.dist import init_distributed
+
+    comm = init_distributed([("pp", 2)], timeout=payload["timeout"])
+    if comm.rank == 0:
+        sent = comm.send(torch.ones(2), 1, tag=7, what="send of %x")
+        if payload["mode"] == "raise":
+            return comm.recv([2], torch.float32, 1, tag=8, what="recv of %y")
+        sent.wait()
+        return None
+    if payload["mode"] == "raise":
+        raise KeyError("lost")
+    return None  # "leave": never receives
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("raise", r"rank 1 failed: KeyError: 'lost'"),
+    ("leave", r"rank 0: send of %x over mesh axis pp \(ranks \(0, 1\)\) failed on rank 0: rank 1 returned without joining it"),
+])
+def test_point_to_point_waits_end_naming_the_peer(mode, message):
+    start = time.monotonic()
+    with pytest.raises(RuntimeFailure, match=f"^{message}"):
+        launch_threads(2, pipeline_misbehave, {"mode": mode, "timeout": TIMEOUT}, timeout=TIMEOUT)
+    assert time.monotonic() - start < 5
+
+
 def test_a_rank_that_returns_while_its_peers_wait_is_named():
     text, err, took = _misbehave("return", ranks=2)
     assert text.startswith("rank 0: all_reduce over mesh axis dp (ranks (0, 1)) failed on rank 0: rank 1 returned "
