@@ -114,12 +114,9 @@ class _Cutter:
 
     # ----- phases
     def _phases(self, nodes: list[Node]) -> list[Node]:
-        for n in nodes:
-            axis = n.kwargs.get("axis")
-            if axis == MICROBATCH and n.op not in _SEQUENTIAL_OK:
-                raise CompileError(f"{n.op} over micro-batches: {n.args[0]} would need every micro-batch at once",
-                                   location=str(n.loc) if n.loc else None,
-                                   hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
+        for i, n in enumerate(nodes):
+            if n.kwargs.get("axis") == MICROBATCH and n.op not in _SEQUENTIAL_OK:
+                raise self._whole_batch_error(nodes, i)
         role = [n.role for n in nodes]
         ancestors_bwd = self._reaches_backward(nodes)
         readers = users(nodes)
@@ -159,6 +156,32 @@ class _Cutter:
 
     def _is_mb_reduce(self, n: Node) -> bool:
         return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH
+
+    def _whole_batch_error(self, nodes: list[Node], at: int) -> CompileError:
+        """The error for a collective over micro-batches, naming the op that makes it needed: the
+        solver may gather anywhere upstream of an op that must see the whole batch, so the first
+        op without an SBP rule among the whole-batch values downstream is the culprit."""
+        from sbpc.compiler.sbp.rules import RuleBook
+
+        n = nodes[at]
+        rules, seen, culprit = RuleBook.load(), set(n.outputs), None
+        for j in range(at + 1, len(nodes)):
+            m = nodes[j]
+            if not any(u in seen for u in m.uses()):
+                continue
+            if m.op.startswith("aten.") and not rules.has_rule(m.op):
+                culprit = m
+                break
+            seen.update(o for o in m.outputs if not self.per_mb(o))
+        what = f"{n.args[0]} would be gathered over micro-batches ({n.op})"
+        if culprit is None:
+            return CompileError(f"{what}: an op reads the whole batch at once",
+                                location=str(n.loc) if n.loc else None,
+                                hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
+        return CompileError(f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}",
+                            location=str(culprit.loc) if culprit.loc else None,
+                            hint=f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 "
+                                 f"or add a rule for {culprit.op} (docs/sbp_rules.md)")
 
     def _reaches_backward(self, nodes: list[Node]) -> dict[str, bool]:
         out: dict[str, bool] = {}
