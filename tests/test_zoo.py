@@ -101,7 +101,8 @@ LLAMA_MID = dict(hidden=1024, heads=8, kv_heads=2, ffn=2816, vocab=8192, seq=128
 
 def test_llama_megatron_matches_eager_on_2x2x2():
 
-    plan = compile_model(_source("llama"), parse_mesh("2x2x2"), batch_size=BATCH, optimizer=CHECK_OPT,
+    # batch 8: one row per device of dp=2 in each of the 4 micro-batches (what `sbpc check` picks)
+    plan = compile_model(_source("llama"), parse_mesh("2x2x2"), batch_size=8, optimizer=CHECK_OPT,
                          config=load_config(LLAMA_MEGATRON), pipeline=PipelineOptions(microbatches=4)).plan
     spec = {p.name: p.sbp for p in plan.params}
     assert spec["model.model.layers.0.self_attn.k_proj.weight"][-1] == "S(0)"  # on tp: the config applies

@@ -39,9 +39,13 @@ class Coalesce:
                 key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,
                        per_microbatch(graph.mesh, n))
                 groups.setdefault(key, []).append(i)
-        buckets = [b for idxs in groups.values() for b in self._buckets(nodes, idxs) if len(b) > 1]
-        for bucket in sorted(buckets, key=lambda b: -b[-1]):  # from the end: earlier indices stay valid
-            nodes = _fuse_bucket(nodes, bucket)
+        # members by the value they reduce: fusing a bucket moves the nodes between its first and
+        # last member, so the indices of a bucket of another group interleaved with it go stale
+        buckets = [[nodes[i].outputs[0] for i in b] for idxs in groups.values() for b in self._buckets(nodes, idxs)
+                   if len(b) > 1]
+        for bucket in buckets:
+            at = {o: i for i, n in enumerate(nodes) if n.op == Collective.ALL_REDUCE.op for o in n.outputs}
+            nodes = _fuse_bucket(nodes, sorted(at[o] for o in bucket))
         return replace(graph, nodes=nodes)
 
     def _buckets(self, nodes: list[Node], idxs: list[int]) -> list[list[int]]:
