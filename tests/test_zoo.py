@@ -139,3 +139,17 @@ def test_llama_megatron_tensor_parallel_counts():
     norms = 2 * 2 + 1
     assert small[("bwd", LLAMA_MID["hidden"] * 4)] == norms, small
     assert len(cs) == len(big) + 3 + norms
+
+
+def test_pipeline_names_the_op_that_needs_the_whole_batch():
+    """An op without a rule runs on the whole batch, which micro-batches never are: the error
+    names that op and the user's line, not the collective the solver placed upstream of it."""
+    from sbpc.compiler.sbp.rules import RuleBook
+    from sbpc.errors import CompileError
+
+    assert not RuleBook.load().has_rule("aten.unfold.default")  # else pick another op for this test
+    with pytest.raises(CompileError) as err:
+        compile_model(load_model("tests/models/unruled_op.py", {}), parse_mesh("1x1x2"), batch_size=4,
+                      optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten.unfold.default has no SBP rule"), err.value.message
+    assert "tests/models/unruled_op.py:12" in str(err.value.location), err.value.location
