@@ -86,6 +86,18 @@ def _literals(a: Any) -> Any:
     return a
 
 
+def _check_nest(lp, c: SigCtx, rule: Rule) -> None:
+    """Every tensor has one loop letter (or None) per dim: a family that miscounts is a bug, named
+    here rather than surfacing as an index error somewhere in the enumeration."""
+    shapes = [(key, c.shape(key), dims) for key, dims in lp.ins.items()]
+    shapes += [(f"output {i}", c.out_shape(i), dims) for i, dims in enumerate(lp.outs)
+               if c.node.types[i].dtype != "none"]  # an output left out (by output_mask) is always B
+    for what, shape, dims in shapes:
+        if len(dims) != len(shape):
+            raise CompileError(f"rule family {rule.family} of {c.node.op} gives {len(dims)} dims for {what}, "
+                               f"which has {len(shape)}")
+
+
 class RuleBook:
     def __init__(self, rules: list[Rule], text: str = "", strided_parts: tuple[int, ...] = DEFAULT_STRIDED_PARTS,
                  derive: bool = True):
@@ -192,6 +204,7 @@ class RuleBook:
                         i = norm_dim(d, rank)
                         if i is not None:
                             lp.fixed.add(lp.outs[0][i])
+            _check_nest(lp, c, rule)
             cands = enumerate_loops(lp, c.shape, c.out_shape, self.strided_parts) + cands
         for mod, kind in (("partial", "sum"), ("pmax", "max")):
             m = rule.modifier(mod)

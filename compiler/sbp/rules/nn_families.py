@@ -93,3 +93,54 @@ def diagonal(c, self, dim1, dim2):
     lets = letters(rank)
     out = [x for d, x in enumerate(lets) if d not in (d1, d2)] + [None]
     return Loops(ins={c.tensor(self): lets}, outs=[out], fixed={lets[d1], lets[d2]}), []
+
+
+def _norm_stat(c, i: int, lets: list, lead: int) -> list:
+    return lets[:lead] + [None] * (len(c.out_shape(i)) - lead)
+
+
+@family("rms_norm")
+def rms_norm(c, input, normalized_shape):
+    """``_fused_rms_norm``: the leading dims split; the normalised dims never. (Its backward has
+    no CPU kernel to prove a rule on, so it has none.)"""
+    rank = len(c.shape(c.tensor(input)))
+    lead = rank - len(c.value(normalized_shape))
+    lets = letters(rank)
+    outs = [lets] + [_norm_stat(c, i, lets, lead) for i in range(1, len(c.node.types))]
+    return Loops(ins={c.tensor(input): lets}, outs=outs, fixed=set(lets[lead:])), []
+
+
+@family("batch_norm")
+def batch_norm(c, input, training, *channel):
+    """Batch norm forward (native and the functional forms): the channel dim splits with every
+    per-channel tensor; the batch splits only without training (running statistics)."""
+    x = c.tensor(input)
+    shp = c.shape(x)
+    lets = ["n", "c"] + [None] * (len(shp) - 2)
+    lp = Loops(ins={x: lets}, fixed=set())
+    for a in channel:
+        if c.tensor(a):
+            lp.ins[c.tensor(a)] = ["c"]
+    lp.outs = [lets] + [["c"] if c.out_shape(i) in ((shp[1],), (0,)) else [None] * len(c.out_shape(i))
+                        for i in range(1, len(c.node.types))]
+    if c.value(training) is not False:
+        lp.fixed.add("n")
+    return lp, []
+
+
+@family("batch_norm_backward")
+def batch_norm_backward(c, grad_out, input, train, *channel):
+    """(grad_input, grad_weight, grad_bias): channel split throughout; without training, a
+    batch split sums the weight and bias gradients (P)."""
+    g, x = c.tensor(grad_out), c.tensor(input)
+    lets = ["n", "c"] + [None] * (len(c.shape(x)) - 2)
+    per_channel = [["c"] if len(c.out_shape(i)) == 1 else [None] * len(c.out_shape(i)) for i in (1, 2)]
+    lp = Loops(ins={g: lets, x: lets}, outs=[lets, *per_channel])  # an output left out by output_mask is 0-d
+    for a in channel:
+        if c.tensor(a):
+            lp.ins[c.tensor(a)] = ["c"]
+    if c.value(train):
+        lp.fixed.add("n")
+    else:
+        lp.reduce = {"n": "sum"}
+    return lp, []
