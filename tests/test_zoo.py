@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
-from sbpc.compiler.driver import compile_model
+from sbpc.compiler.driver import compile_captured, compile_model
+from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.frontend.hints import load_config
 from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
@@ -39,6 +41,7 @@ CHECK_STEPS = 3
 CHECK_TOL = 1e-5
 
 _sources: dict = {}
+_captured: dict = {}  # one capture per model serves every mesh (no stage hints, one batch size)
 _plans: dict = {}  # one plan per (model, mesh, micro-batches): the check on 2x2 reuses the compile test's
 
 
@@ -53,8 +56,11 @@ def _compile(model: str, mesh: str, microbatches: int | None = None):
     m = parse_mesh(mesh)
     key = (model, mesh, microbatches or m.size("pp"))
     if key not in _plans:
-        _plans[key] = compile_model(_source(model), m, batch_size=BATCH, optimizer=CHECK_OPT,
-                                    pipeline=PipelineOptions(microbatches=key[2])).plan
+        if model not in _captured:
+            _captured[model] = capture(_source(model), parse_mesh("1"), BATCH, CHECK_OPT, None)
+        graph = replace(_captured[model], mesh=m.with_microbatches(key[2]))
+        _plans[key] = compile_captured(graph, _source(model), batch_size=BATCH, optimizer=CHECK_OPT,
+                                       pipeline=PipelineOptions(microbatches=key[2])).plan
     return _plans[key]
 
 
