@@ -64,12 +64,14 @@ def _adamw(cfg: OptimizerConfig):
 
 
 def _sgd(cfg: OptimizerConfig):
+    # torch.add(x, y, alpha=a) is one kernel computing fma(y, a, x): one rounding where
+    # x + a * y rounds twice, so the plan says add-with-alpha wherever torch's SGD does
+    # (grad.add(param, alpha=wd), buf.mul_(m).add_(grad), param.add_(d_p, alpha=-lr)).
     def update(param, grad, *state_and_step):
-        d_p = grad + cfg.weight_decay * param if cfg.weight_decay else grad
-        if not cfg.momentum:
-            return (param - cfg.lr * d_p,)
-        buf = state_and_step[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
-        return param - cfg.lr * buf, buf
+        d_p = torch.add(grad, param, alpha=cfg.weight_decay) if cfg.weight_decay else grad
+        if cfg.momentum:
+            d_p = state_and_step[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
+        return (torch.add(param, d_p, alpha=-cfg.lr), *((d_p,) if cfg.momentum else ()))
 
     return update
 
