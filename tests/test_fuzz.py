@@ -36,8 +36,8 @@ from sbpc.compiler.passes import PipelineOptions
 from sbpc.errors import SbpcError
 
 MODEL_FILE = "tests/fuzz_models.py"
-# The solver's cost grows with the axes (each alone, then jointly): two models of three get one
-# mesh of two or three busy axes and three of one, the third four of one, to keep 200 cases
+# The solver's cost grows with the axes (each alone, then jointly): every other model gets one
+# mesh of two or three busy axes and three of one, the others four of one, to keep 200 cases
 # within about four minutes.
 SMALL_MESHES = ["1", "2x1", "1x2", "1x3", "3x1"]
 WIDE_MESHES = ["2x2", "1x1x2", "2x1x2", "1x2x2"]
@@ -62,6 +62,7 @@ class Case:
 
     def replay(self, batch: int, optimizer: str) -> str:
         flags = " --allow-replicated" if self.allow_replicated else ""
+        flags += " --weight-decay 0" if optimizer == "sgd" else ""
         flags += f" --schedule {self.schedule}" if self.schedule != "1f1b" else ""
         return (f"sbpc compile {MODEL_FILE} --set seed={self.seed} --mesh {self.mesh} --microbatches "
                 f"{self.microbatches} --batch-size {batch} --optimizer {optimizer}{flags}")
@@ -71,7 +72,7 @@ def draw(seed: int) -> tuple[list[Case], int, str]:
     """The meshes (with micro-batches) model ``seed`` is compiled on, its batch size, its optimizer."""
     r = random.Random(f"meshes-{seed}")
     cases = []
-    wide = [r.choice(WIDE_MESHES)] if seed % 3 else []
+    wide = [r.choice(WIDE_MESHES)] if seed % 2 else []
     for mesh in r.sample(SMALL_MESHES, MESHES_PER_MODEL - len(wide)) + wide:
         pp = parse_mesh(mesh).size("pp")
         m = r.choice([pp, 2 * pp]) if pp > 1 else r.choice([1, 1, 1, 2])
@@ -93,7 +94,7 @@ class Outcome:
 def run_model(seed: int) -> list[Outcome]:
     cases, batch, opt_kind = draw(seed)
     spec = fuzz_models.describe(seed)
-    optimizer = OptimizerConfig(kind=opt_kind)
+    optimizer = optimizer_config(opt_kind)
     source = load_model(MODEL_FILE, {"seed": seed})
 
     def bug(case: Case, what: str) -> str:
@@ -122,6 +123,13 @@ def run_model(seed: int) -> list[Outcome]:
     # reusing one capture for every mesh is sound only if no pass changes the graph it was given
     assert print_graph(graph) == before, f"a pass mutated the captured graph of seed {seed}"
     return out
+
+
+def optimizer_config(kind: str) -> OptimizerConfig:
+    # SGD without weight decay: with it, `sbpc check` flags the plan's update of a parameter whose
+    # gradient is small even on one device (4e-4 of the step for seed 3: the decay term rounds
+    # differently from torch.optim.SGD, by an ulp of the parameter against a step of 1e-5 of it)
+    return OptimizerConfig(kind=kind, weight_decay=0.0) if kind == "sgd" else OptimizerConfig(kind=kind)
 
 
 def judge(outcome: Outcome, err: SbpcError) -> Outcome:
@@ -158,12 +166,16 @@ def test_most_cases_compile(outcomes):
 
 
 def parity_cases(outcomes) -> list[Outcome]:
-    """Up to PARITY_CASES compiled cases on more than one device, models without dropout (the
-    sharded masks would differ from eager's), one per model."""
+    """Up to PARITY_CASES compiled cases on more than one device, one per model, of models
+    without dropout (the sharded masks would differ from eager's) and without a LayerNorm over
+    2 features (its output is +-1 whatever the input, so the gradients below it are zero in
+    exact arithmetic and pure rounding noise: 4e-5 on seed 15 over dp=2)."""
     seen, out = set(), []
     for o in outcomes:
-        if (o.plan is not None and o.plan.world_size > 1 and o.case.seed not in seen
-                and fuzz_models.describe(o.case.seed).dropout == 0.0):
+        spec = fuzz_models.describe(o.case.seed)
+        degenerate = spec.norm == "layernorm" and spec.hidden == 2
+        if (o.plan is not None and o.plan.world_size > 1 and o.case.seed not in seen and spec.dropout == 0.0
+                and not degenerate):
             seen.add(o.case.seed)
             out.append(o)
     return out[:PARITY_CASES]
@@ -178,7 +190,7 @@ def test_compiled_cases_match_eager(outcomes):
     for o in picked:
         _, batch, opt_kind = draw(o.case.seed)
         try:
-            report = check_on_ranks(o.plan, OptimizerConfig(kind=opt_kind), steps=1, seed=0, tolerance=1e-5,
+            report = check_on_ranks(o.plan, optimizer_config(opt_kind), steps=1, seed=0, tolerance=1e-5,
                                     timeout=60, ranks="threads")
         except Exception:  # noqa: BLE001 - a compiled plan must run: any error is a failure, with its replay
             failed.append(f"{o.case.replay(batch, opt_kind)}\n{traceback.format_exc()}")
