@@ -9,7 +9,7 @@ from __future__ import annotations
 from sbpc.compiler.sbp.layout import NdSignature
 from sbpc.compiler.sbp.state import SolverState
 from sbpc.runtime.kinds import Collective
-from sbpc.runtime.sbp import NdSbp, Partial
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial
 
 
 def refine_ops(st: SolverState) -> bool:
@@ -63,6 +63,89 @@ def refine_cascades(st: SolverState, budget: int = 24) -> bool:
             if ci != st.choice[idx] and _try_cascade(st, idx, ci, budget):
                 changed = True
     return changed
+
+
+def refine_hoists(st: SolverState, budget: int = 48) -> bool:
+    """Moves of a reduction upstream: a partial value is made whole (B) where it is produced,
+    and the ops downstream of it that then need no conversion take the signature that reads it
+    as it is (their results whole too, in turn), until the flood meets an op that must convert
+    anyway. Along a chain of ops linear in the partial input (a norm's backward) each step of
+    such a move costs the same (one all-reduce of the same bytes, here or one op later), so
+    single-op and cascade moves, which stop on ties, never reach the fork where it pays: a
+    weight gradient that no longer needs its own all-reduce. This move prices the whole flood."""
+    changed = False
+    for v in _partial_values(st):
+        if _try_hoist(st, v, budget):
+            changed = True
+    return changed
+
+
+def _whole(st: SolverState, nd: NdSbp) -> NdSbp:
+    return tuple(Broadcast() if isinstance(s, Partial) and st.focus in (None, a) else s for a, s in enumerate(nd))
+
+
+def _readers(st: SolverState, v: str) -> list[int]:
+    """The ops (representatives, when layers are tied) that read ``v`` itself."""
+    out = st.consumers.get(v, ())
+    if st.tied:
+        out = [st.cls.rep[m] for m in out]
+    return [m for m in dict.fromkeys(out) if v in st.uses[m]]
+
+
+def _partial_values(st: SolverState) -> list[str]:
+    """Partial results (on the focused axis) that some reader takes partial, in program order."""
+    out = []
+    for idx in st.active:
+        if st.tied and st.cls.rep[idx] != idx:
+            continue
+        for o in st.graph.nodes[idx].outputs:
+            src = st.sbp.get(o)
+            if src is None or _whole(st, src) == src:
+                continue
+            if any(t == src for t in st.needs(o)):
+                out.append(o)
+    return out
+
+
+def _try_hoist(st: SolverState, v: str, budget: int) -> bool:
+    made: dict[str, NdSbp] = {v: _whole(st, st.sbp[v])}  # the values the flood changed: their new layouts
+    saved: dict[int, int] = {}
+    queue = _readers(st, v)
+    while queue and len(saved) < budget:
+        m = queue.pop(0)
+        if m in saved:
+            continue
+        opts = st.options(m)
+        # what m is given: the flood's layouts, and the others as it takes them now
+        cur = st.cands[m][st.choice[m]]
+        have = [made.get(u, t) for u, t in zip(st.uses[m], cur.ins)]
+        exact = [ci for ci in opts if list(st.cands[m][ci].ins) == have]
+        if exact:
+            best = min(exact, key=lambda cj: (partials(st.cands[m][cj]), round(st.local_cost(m, st.cands[m][cj]), 15), cj))
+        else:
+            best = min(opts, key=lambda cj: (round(st.local_cost(m, st.cands[m][cj]), 15), cj != st.choice[m], cj))
+        if best == st.choice[m]:
+            continue
+        before = [st.sbp[o] for o in st.graph.nodes[m].outputs]
+        saved[m] = st.choice[m]
+        st.choose(m, best)
+        for o, old in zip(st.graph.nodes[m].outputs, before):
+            if st.sbp[o] != old:
+                made[o] = st.sbp[o]
+                queue += _readers(st, o)
+    if not saved:
+        return False
+    nodes = list(saved)
+    values = {u for i in nodes for u in st.uses[i]} | {o for i in nodes for o in st.graph.nodes[i].outputs}
+    after = st.cost_of(nodes, values)
+    new = {i: st.choice[i] for i in nodes}
+    for i, c in saved.items():
+        st.choose(i, c)
+    if after < st.cost_of(nodes, values) * (1 - 1e-9):
+        for i, c in new.items():
+            st.choose(i, c)
+        return True
+    return False
 
 
 def _hot_nodes(st: SolverState) -> list[int]:

@@ -13,7 +13,7 @@ from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, Ten
 from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
 from sbpc.compiler.sbp.layout import Layouts, NdSignature
-from sbpc.compiler.sbp.refine import partials, refine_cascades, refine_ops, refine_values
+from sbpc.compiler.sbp.refine import partials, refine_cascades, refine_hoists, refine_ops, refine_values
 from sbpc.compiler.sbp.state import GraphIndex, SolverState
 from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp
@@ -253,7 +253,7 @@ class Solver:
             changed = False
             for a in busy:
                 st.focus = a if len(busy) > 1 else None
-                changed |= refine_ops(st) | refine_values(st) | refine_cascades(st)
+                changed |= refine_ops(st) | refine_values(st) | refine_cascades(st) | refine_hoists(st)
             if not changed:
                 break
         st.focus = None
