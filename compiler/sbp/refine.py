@@ -135,17 +135,7 @@ def _try_hoist(st: SolverState, v: str, budget: int) -> bool:
                 queue += _readers(st, o)
     if not saved:
         return False
-    nodes = list(saved)
-    values = {u for i in nodes for u in st.uses[i]} | {o for i in nodes for o in st.graph.nodes[i].outputs}
-    after = st.cost_of(nodes, values)
-    new = {i: st.choice[i] for i in nodes}
-    for i, c in saved.items():
-        st.choose(i, c)
-    if after < st.cost_of(nodes, values) * (1 - 1e-9):
-        for i, c in new.items():
-            st.choose(i, c)
-        return True
-    return False
+    return _keep_if_cheaper(st, saved)
 
 
 def _hot_nodes(st: SolverState) -> list[int]:
@@ -188,17 +178,7 @@ def _try_cascade(st: SolverState, idx: int, ci: int, budget: int) -> bool:
             saved[m] = st.choice[m]
             st.choose(m, best)
             queue += _neighbours(st, m)
-    nodes = list(saved)
-    values = {u for i in nodes for u in st.uses[i]} | {o for i in nodes for o in st.graph.nodes[i].outputs}
-    after = st.cost_of(nodes, values)
-    new = {i: st.choice[i] for i in nodes}
-    for i, c in saved.items():
-        st.choose(i, c)
-    if after < st.cost_of(nodes, values) * (1 - 1e-9):
-        for i, c in new.items():
-            st.choose(i, c)
-        return True
-    return False
+    return _keep_if_cheaper(st, saved)
 
 
 def _try_joint(st: SolverState, v: str, t: NdSbp, idxs: list[int]) -> bool:
@@ -222,3 +202,19 @@ def _try_joint(st: SolverState, v: str, t: NdSbp, idxs: list[int]) -> bool:
 
 def partials(c: NdSignature) -> int:
     return sum(isinstance(s, Partial) for nd in c.outs for s in nd)
+
+
+def _keep_if_cheaper(st: SolverState, saved: dict[int, int]) -> bool:
+    """Keep the choices made since ``saved`` (node -> its choice before) only if they strictly
+    lower the cost of the nodes and values they touch; else restore ``saved``."""
+    nodes = list(saved)
+    values = {u for i in nodes for u in st.uses[i]} | {o for i in nodes for o in st.graph.nodes[i].outputs}
+    after = st.cost_of(nodes, values)
+    new = {i: st.choice[i] for i in nodes}
+    for i, c in saved.items():
+        st.choose(i, c)
+    if after < st.cost_of(nodes, values) * (1 - 1e-9):
+        for i, c in new.items():
+            st.choose(i, c)
+        return True
+    return False
