@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 SBPC    := $(VENV)/bin/sbpc
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-sweep bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The whole op-database sweep (every OpInfo sample, every signature): deselected from `make test` for time.
+test-sweep: setup
+	$(PY) -m pytest -q -m sweep tests/test_opdb.py
 
 bench: setup
 	$(PY) bench/compile_bench.py

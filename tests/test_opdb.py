@@ -43,7 +43,7 @@ def test_a_wrong_rule_fails_the_sweep():
     assert any(f.startswith("aten.sum.dim_IntList") and "P(max)" in f for f in result.failures)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_whole_op_db(book):
     result = sweep(book, opinfos("all"))
     _fail_on(result)
