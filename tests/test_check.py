@@ -113,6 +113,42 @@ def test_gradient_deviation_judges_an_exactly_zero_gradient_on_the_step_scale():
     assert grad_deviations({"w": g * (1 + 1e-4), "k_bias": noise}, eager)["w"] > TOL  # own scale for the rest
 
 
+def test_gradient_deviation_allows_eagers_own_float32_error_and_no_more():
+    """A tensor under a cancellation (a LayerNorm over two features) has a gradient that eager's
+    float32 gets right only to n (measured against float64): two correct programs differ by a
+    few n. It is judged on n / NOISE_RESOLUTION: 10 n passes, 100 n fails, and a tensor that
+    eager resolves keeps its own scale."""
+    g = torch.full((64,), 0.1)  # G = 0.1
+    small = torch.full((64,), 1e-6)  # below GRAD_FLOOR * G: judged on 1e-4 without the noise term
+    n = 1e-9
+    eager = {"w": g, "small": small}
+    noise = {"w": 1e-8, "small": n}
+    assert grad_deviations({"w": g, "small": small + 10 * n}, eager)["small"] > TOL  # the floor alone fails it
+    assert grad_deviations({"w": g, "small": small + 10 * n}, eager, noise)["small"] < TOL
+    assert grad_deviations({"w": g, "small": small + 100 * n}, eager, noise)["small"] > TOL
+    assert grad_deviations({"w": g * (1 + 1e-4), "small": small}, eager, noise)["w"] > TOL
+
+
+def test_ill_conditioned_gradients_pass_on_a_correct_plan_and_a_wrong_one_fails():
+    """A fuzz model with a LayerNorm over two features: the gradients of its first block are
+    cancellation residue, 1e-5 of G, which float32 resolves to 1e-3 of themselves. The default
+    check passes the correct plan and still fails one with a corrupted forward op."""
+    from conftest import sbpc_check
+    args = ["tests/fuzz_models.py", "--set", "seed=15", "--mesh", "2x1", "--allow-replicated", "--steps", "2"]
+    r = sbpc_check(*args)
+    assert r.returncode == 0 and re.search(r"largest deviation .*: PASS", r.stdout), r.stdout + r.stderr
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    source, optimizer = load_model("tests/fuzz_models.py", {"seed": 15}), OptimizerConfig()
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=optimizer).plan
+    v_proj = lambda ins: ins.op == "aten.addmm.default" and ins.loc is not None and ins.loc.module == "blocks.0.attn.v"
+    broken = _corrupt(plan, v_proj, kwargs={"beta": 2.0})  # the value bias counted twice
+    report = run_check(broken, source, Runner(broken, make_backend("cpu"), seed=0), optimizer, steps=1, seed=0,
+                       tolerance=TOL)
+    _fails(report, "grad")
+
+
 def test_update_deviation_is_relative_to_the_step():
     before = torch.ones(8)
     eager = before - 1e-3
