@@ -8,7 +8,7 @@ import sys
 
 from sbpc.errors import UsageError, guarded_main
 from sbpc.runtime.cli import ArgumentParser, add_run_arguments, run_command
-from sbpc.runtime.kinds import ScheduleName
+from sbpc.runtime.kinds import Precision, Recompute, ScheduleName
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,15 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=[s.value for s in ScheduleName], help="pipeline schedule (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
                                                       "2 with --schedule interleaved)")
+    m = p.add_argument_group("memory (flags win over the config's [memory] table)")
+    m.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage on dp: 1 optimizer state, 2 also "
+                                                                  "gradients, 3 also parameters sharded (default 0)")
+    m.add_argument("--recompute", choices=[r.value for r in Recompute], help="activation recompute (default none)")
+    m.add_argument("--precision", choices=[x.value for x in Precision], help="compute precision; master weights and "
+                                                                            "optimizer state stay fp32 (default fp32)")
+    m.add_argument("--offload", choices=["none", "optimizer"], help="optimizer state and update on the host")
+    m.add_argument("--device-memory", metavar="BYTES", help="memory per device, e.g. 80GB: a plan that does not fit "
+                                                            "is refused")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -67,8 +76,19 @@ def _compile(args: argparse.Namespace):
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
     result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
-                           pipeline=pipeline)
+                           pipeline=pipeline, memory=memory_options_of(args, config))
     return result, source, optimizer
+
+
+def memory_options_of(args, config):
+    """Flags win over the config's ``[memory]`` table, which wins over the defaults."""
+    from sbpc.compiler.memory_options import MEMORY_FLAGS, memory_options
+
+    table = config.memory if config is not None else {}
+    given = {key: getattr(args, key) if getattr(args, key) is not None else table.get(key) for key in MEMORY_FLAGS}
+    where = config.memory_source if config is not None and any(getattr(args, k) is None and k in table
+                                                               for k in MEMORY_FLAGS) else ""
+    return memory_options(**given, where=where)
 
 
 def pipeline_options(args, mesh, config):

@@ -42,3 +42,18 @@ class Collective(enum.StrEnum):
 
 
 _BY_OP = {c.op: c for c in Collective}
+
+
+class Precision(enum.StrEnum):
+    """Compute precision (``--precision``); master weights and optimizer state stay fp32."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"  # with dynamic loss scaling
+
+
+class Recompute(enum.StrEnum):
+    """Activation recompute (``--recompute``): what the backward recomputes instead of keeping."""
+    NONE = "none"
+    SELECTIVE = "selective"  # Korthikanti et al. 2022: keep matmul outputs, recompute the cheap memory-heavy ops
+    FULL = "full"  # keep each layer's input, recompute the layer
+    AUTO = "auto"  # the least recompute that fits --device-memory

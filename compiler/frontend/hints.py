@@ -26,12 +26,14 @@ import tomllib
 from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.mesh import KNOWN_AXES
+from sbpc.compiler.memory_options import MEMORY_FLAGS
 from sbpc.errors import UsageError
 from sbpc.runtime.kinds import ScheduleName
 from sbpc.runtime.sbp import Sbp, parse_sbp
 
 STAGE_KEY = "sbpc_stage"  # fx node meta ("custom") key of the chunk a `sbpc.stage` scope names
-_TABLES = ("params", "modules", "stages", "pipeline")
+_TABLES = ("params", "modules", "stages", "pipeline", "memory")
+
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
 AxisSbp = dict[str, Sbp]  # axis name -> SBP on that axis; axes not named are left to propagation
@@ -102,6 +104,8 @@ class ParallelConfig:
     modules: list[tuple[str, Hint]] = field(default_factory=list)
     stages: list[tuple[str, StageHint]] = field(default_factory=list)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    memory: dict[str, object] = field(default_factory=dict)  # the [memory] table's keys (MEMORY_FLAGS), as written
+    memory_source: str = ""  # where the [memory] table is: "gpt.toml:12"
 
     def module_hint(self, module_path: str) -> Hint | None:
         for glob, hint in self.modules:
@@ -176,7 +180,8 @@ def load_config(path: str) -> ParallelConfig:
     if unknown:
         raise UsageError(f"parallel config {path} has unknown table [{sorted(unknown)[0]}]", location=path,
                          hint="tables: [params] (parameter globs), [modules] (module-output globs), "
-                              "[stages] (module globs -> pipeline chunk), [pipeline] (micro-batches, schedule)")
+                              "[stages] (module globs -> pipeline chunk), [pipeline] (micro-batches, schedule), "
+                              "[memory] (zero, recompute, precision, offload, device_memory)")
     for table in _TABLES:
         if not isinstance(raw.get(table, {}), dict):
             raise UsageError(f"[{table}] must be a table", location=f"{path}:{_line_of(lines, table)}")
@@ -196,6 +201,12 @@ def load_config(path: str) -> ParallelConfig:
                              hint="chunks count from 0; with virtual stages there are pp * virtual_stages of them")
         cfg.stages.append((glob, StageHint(chunk, where)))
     cfg.pipeline = _pipeline(raw.get("pipeline", {}), path, lines)
+    cfg.memory, cfg.memory_source = raw.get("memory", {}), f"{path}:{_line_of(lines, 'memory')}"
+    unknown = set(cfg.memory) - set(MEMORY_FLAGS)
+    if unknown:
+        key = sorted(unknown)[0]
+        raise UsageError(f"[memory] has unknown key {key!r}", location=f"{path}:{_line_of(lines, key, 'memory')}",
+                         hint="keys: " + ", ".join(MEMORY_FLAGS))
     return cfg
 
 
