@@ -15,8 +15,12 @@ def model_name(path: str) -> str:
 
 
 def import_model_file(path: str, prefix: str) -> ModuleType:
-    """Execute the file as module ``<prefix><name>``; exceptions from its code propagate."""
+    """Execute the file as module ``<prefix><name>``; exceptions from its code propagate. Its
+    directory goes on ``sys.path``, as for ``python model.py``, so that it may import its siblings."""
     name = prefix + model_name(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path} is not a Python source file")

@@ -90,3 +90,17 @@ def test_optimizer_ops_take_the_parameter_dtype():
     graph = capture(load_model("tests/models/to_dtype.py", {"convert": False}), parse_mesh("1"), 2, OptimizerConfig())
     opt = [n for n in graph.nodes if n.role == Role.OPTIMIZER and n.types[0].shape == (8, 8)]
     assert opt and {n.types[0].dtype for n in opt} == {"bf16"}
+
+
+def test_a_model_file_imports_its_siblings(tmp_path):
+    """As under ``python model.py``, the model's folder is on sys.path: a model split into files works."""
+    (tmp_path / "my_layers.py").write_text(
+        "import torch\n\nclass Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n\n    def forward(self, x):\n        return self.lin(x).relu()\n")
+    (tmp_path / "model.py").write_text(
+        "import torch\nfrom my_layers import Block\n\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.block = Block()\n\n    def forward(self, x):\n"
+        "        return self.block(x).sum()\n\ndef build_model():\n    return M()\n\n"
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),)\n")
+    graph = capture(load_model(str(tmp_path / "model.py")), parse_mesh("1"), 4, OptimizerConfig())
+    assert any(i.name == "block.lin.weight" for i in graph.inputs_of(InputKind.PARAM))
