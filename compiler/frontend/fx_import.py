@@ -43,21 +43,36 @@ def tensor_type(t: torch.Tensor) -> TensorType:
     return TensorType(tuple(int(s) for s in t.shape), DTYPE_BY_TORCH_NAME[name])
 
 
-def convert_arg(a: Any, names: dict[torch.fx.Node, str] | None) -> Any:
-    """A python/torch argument as an IR argument."""
-    if isinstance(a, torch.fx.Node):
-        return Ref(names[a])
-    if isinstance(a, (list, tuple)):
-        return [convert_arg(x, names) for x in a]
+class UnsupportedArg(Exception):
+    """An argument the IR cannot hold: its type, or a dtype the plan has no name for."""
+
+
+def convert_literal(a: Any) -> Any:
+    """A python/torch constant as an IR argument (dtype, device, layout, scalar, string)."""
     if isinstance(a, torch.dtype):
-        return DType(DTYPE_BY_TORCH_NAME[str(a).removeprefix("torch.")])
+        name = str(a).removeprefix("torch.")
+        if name not in DTYPE_BY_TORCH_NAME:
+            raise UnsupportedArg(f"dtype {name}")
+        return DType(DTYPE_BY_TORCH_NAME[name])
     if isinstance(a, torch.device):
         return Sym("device")
     if isinstance(a, (torch.layout, torch.memory_format)):
         return Sym(str(a).removeprefix("torch."))
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
-    raise CaptureError(f"argument {a!r} of type {type(a).__name__} cannot be put in a plan")
+    raise UnsupportedArg(f"{a!r} of type {type(a).__name__}")
+
+
+def convert_arg(a: Any, names: dict[torch.fx.Node, str] | None) -> Any:
+    """A python/torch argument as an IR argument."""
+    if isinstance(a, torch.fx.Node):
+        return Ref(names[a])
+    if isinstance(a, (list, tuple)):
+        return [convert_arg(x, names) for x in a]
+    try:
+        return convert_literal(a)
+    except UnsupportedArg as err:
+        raise CaptureError(f"argument {err} cannot be put in a plan") from None
 
 
 @dataclass

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
+from sbpc.compiler.ir.types import StateName
 from sbpc.runtime.plan import Plan
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
@@ -204,16 +205,17 @@ class Eager:
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
-        step = states.get("step")
+        step = states.get(str(StateName("step")))
         for name, p in self.named.items():
-            state = {kind: states[f"{kind}:{name}"].clone() for kind in self._kinds() if f"{kind}:{name}" in states}
+            state = {kind: states[str(StateName(kind, name))].clone() for kind in self._kinds()
+                     if str(StateName(kind, name)) in states}
             if self.kind == "adamw":
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
             self.opt.state[p] = state
 
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         st = self.opt.state[self.named[name]]
-        return {f"{k}:{name}": st[k] for k in self._kinds() if k in st}
+        return {str(StateName(k, name)): st[k] for k in self._kinds() if k in st}
 
     def _kinds(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("momentum_buffer",)
@@ -289,8 +291,9 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
                 if sname in new_states:
                     row.update.update(sname, deviation(new_states[sname], sref, max(amax(sref), 1e-30)))
                     row.update.update(f"{sname} across ranks", spreads.get(sname, 0.0) / max(amax(sref), 1e-30))
-        if "step" in new_states:
-            row.update.update("step", deviation(new_states["step"], states["step"] + 1, 1.0))
+        step_name = str(StateName("step"))
+        if step_name in new_states:
+            row.update.update(step_name, deviation(new_states[step_name], states[step_name] + 1, 1.0))
         params, states = new_params, new_states
         if free is not None:
             report.free.losses_plan.append(result.loss)

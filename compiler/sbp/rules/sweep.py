@@ -17,16 +17,13 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, DType, Node, Ref, Role, Sym, TensorType
+from sbpc.compiler.frontend.fx_import import UnsupportedArg, convert_literal
+from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, Node, Ref, Role, TensorType
 from sbpc.compiler.sbp.rules.book import RuleBook
 from sbpc.compiler.sbp.rules.validate import Instance, Outcome, check
 from sbpc.runtime.backend import torch_op
 
 SIZES = (2, 3)  # odd sizes catch uneven-split mistakes
-
-
-class _Unsupported(Exception):
-    """A call the IR cannot hold (complex or sparse tensors, generators, symbolic values)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -46,7 +43,7 @@ class _Recorder(TorchDispatchMode):
 def _ttype(t: torch.Tensor) -> TensorType:
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPE_BY_TORCH_NAME or t.layout != torch.strided or t.is_quantized or t.is_complex():
-        raise _Unsupported(str(t.dtype))
+        raise UnsupportedArg(f"a {t.dtype} {t.layout} tensor")
     return TensorType(tuple(t.shape), DTYPE_BY_TORCH_NAME[name])
 
 
@@ -63,17 +60,7 @@ def to_instance(func, args: tuple, kwargs: dict, out: Any, origin: str) -> Insta
             return Ref(f"x{len(values) - 1}")
         if isinstance(a, (list, tuple)):
             return [conv(x) for x in a]
-        if isinstance(a, torch.dtype):
-            if str(a).removeprefix("torch.") not in DTYPE_BY_TORCH_NAME:
-                raise _Unsupported(str(a))
-            return DType(DTYPE_BY_TORCH_NAME[str(a).removeprefix("torch.")])
-        if isinstance(a, torch.device):
-            return Sym("device")
-        if isinstance(a, (torch.layout, torch.memory_format)):
-            return Sym(str(a).removeprefix("torch."))
-        if a is None or isinstance(a, (bool, int, float, str)):
-            return a
-        raise _Unsupported(type(a).__name__)
+        return convert_literal(a)
 
     try:
         node_args = tuple(conv(a) for a in args)
@@ -82,7 +69,7 @@ def to_instance(func, args: tuple, kwargs: dict, out: Any, origin: str) -> Insta
         if not all(o is None or isinstance(o, torch.Tensor) for o in outs):
             return None
         types = [TensorType((), "none") if o is None else _ttype(o) for o in outs]
-    except _Unsupported:
+    except UnsupportedArg:  # complex or sparse tensors, generators, symbolic values
         return None
     op = f"aten.{func._schema.name.split('::')[1]}.{func._overloadname}"
     node = Node([f"out{i}" for i in range(len(outs))], op, node_args, node_kwargs, types, Role.FORWARD)
