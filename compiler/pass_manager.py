@@ -47,7 +47,7 @@ class CompileContext:
     print_after_all: bool = False
     dump_dir: str | None = None
     log: TextIO = field(default_factory=lambda: sys.stderr)
-    estimates: dict[str, int] = field(default_factory=dict)
+    estimates: dict[str, object] = field(default_factory=dict)  # the fields of runtime.plan.Estimates
     allow_replicated: bool = False  # a mesh axis may split nothing (compiler/sbp/axis_use.py)
 
 

@@ -163,6 +163,26 @@ class OptimizerSpec(_Model):
     momentum: float
 
 
+class RoleMemory(_Model):
+    """The memory of one rank role (a pp stage: its dp x tp ranks hold equal shards), in bytes
+    per device at the role's peak moment of a step. The columns add up to ``total``."""
+    role: str  # "stage 0"
+    stage: int
+    ranks: int  # devices that play this role
+    params: int  # parameters and model buffers (always live)
+    grads: int  # gradients live at the peak (accumulators, buckets, reduced gradients)
+    optimizer: int  # optimizer state (always live)
+    activations: int  # forward values (and batch shards) live at the peak, all micro-batches in flight
+    buffers: int  # results of collectives and transfers live inside the running task
+    temporaries: int  # everything else live at the peak: backward intermediates, the update's new values
+    total: int
+    peak_at: str  # the task whose run holds the peak ("F0.3", "B1.0", "U0", "step")
+    in_flight: int  # micro-batches whose values are held at the peak
+    param_bytes: int  # the step's whole model state of this role: parameters,
+    grad_bytes: int  # gradients (as the optimizer reads them),
+    optimizer_bytes: int  # and optimizer state
+
+
 class Estimates(_Model):
     param_count: int
     param_bytes: int
@@ -170,6 +190,7 @@ class Estimates(_Model):
     optimizer_state_bytes: int
     peak_activation_bytes: int  # live values of one step, from the program's liveness
     instructions: int
+    roles: list[RoleMemory] = Field(default_factory=list)  # per rank role, with the pipeline's in-flight micro-batches
 
 
 class Plan(_Model):

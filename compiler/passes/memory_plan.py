@@ -1,15 +1,17 @@
-"""memory-plan: liveness of every value and a per-device memory estimate.
+"""memory-plan: liveness of every value and the per-device memory estimate.
 
 The lowering frees each value right after its last use; this pass computes the same
-liveness to estimate the peak of live activations, and records the sizes of params,
-gradients and optimizer state in the context's estimates: all per device (shards, not
-logical tensors).
+liveness to estimate the peak of live activations, records the sizes of params, gradients
+and optimizer state, and the estimate of every rank role (``compiler/memory/estimate.py``:
+each pp stage's peak with its in-flight micro-batches, by term) in the context's estimates:
+all per device (shards, not logical tensors).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from sbpc.compiler.memory.estimate import estimate_memory
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
 
@@ -64,5 +66,6 @@ class MemoryPlan:
             optimizer_state_bytes=sum(nbytes[s.value] for s in graph.inputs_of(InputKind.STATE)),
             peak_activation_bytes=peak,
             instructions=len(graph.nodes),
+            roles=estimate_memory(graph),
         )
         return graph

@@ -1,0 +1,288 @@
+"""The per-rank-role memory estimate: what each device holds at the peak of a step.
+
+Everything comes from the IR after SBP (and, on pipelined meshes, after the schedule pass):
+local shapes and dtypes of every value under its nd-SBP, which values alias one storage (view
+ops), where each value dies, and the firing order of the stage's actors. The walk mirrors the
+runtime exactly (`runtime/runner.py`, `runtime/pipeline.py`), so the estimate is the peak of
+the run, not a formula:
+
+- parameters, buffers and optimizer state are held for the whole step, and so are the old
+  ones after the (functional) update has written the new ones, until the step returns;
+- a one-program plan frees each value after its last use (a result nobody reads at once);
+- a pipelined stage runs its tasks in the plan's order. A task's results that later tasks
+  read stay in the micro-batch's environment until the micro-batch's last task on the stage
+  (the regst); batch shards of every micro-batch are cut at the start of the step; received
+  values join the environment; an accumulated value (a weight gradient) gets one accumulator
+  from its first firing on; inside a task, values die after their last use there, and a
+  result nobody reads lives until the task returns.
+
+ZeRO (SBP of parameters and state), recompute (the graph) and precision (dtypes) change the IR,
+so the estimate follows them without knowing about them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sbpc.compiler.ir.aten import returns_alias
+from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
+from sbpc.runtime.kinds import Collective
+from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
+from sbpc.runtime.plan import RoleMemory
+
+# ops whose result shares its first input's storage: schema views plus the ones aot emits
+# without an alias annotation
+_VIEWS_TOO = frozenset({"aten._unsafe_view.default"})
+_PLUMBING = frozenset({ACCUMULATE, TRANSFER, "aten.cat.default", "aten.view.default", "aten._unsafe_view.default"})
+
+
+class Term(enum.Enum):
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    BUFFERS = "buffers"
+    TEMPORARIES = "temporaries"
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    term: Term  # when held inside the task that makes it
+    held_term: Term  # when held between tasks
+
+
+class Storages:
+    """Value -> storage (views share one), each storage's bytes per device and its term."""
+
+    def __init__(self, graph: Graph):
+        sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
+        self.root: dict[str, str] = {}
+        self.store: dict[str, _Storage] = {}
+        grads = _gradient_values(graph)
+        for i in graph.inputs:
+            term = {InputKind.PARAM: Term.PARAMS, InputKind.BUFFER: Term.PARAMS, InputKind.STATE: Term.OPTIMIZER,
+                    InputKind.BATCH: Term.ACTIVATIONS}[i.kind]
+            self.root[i.value] = i.value
+            self.store[i.value] = _Storage(i.type.local_nbytes(i.sbp, sizes), term, term)
+        for n in graph.nodes:
+            sbps = n.sbp or [None] * len(n.outputs)
+            firsts = [u for u in n.uses()]
+            if (returns_alias(n.op) or n.op in _VIEWS_TOO) and firsts and firsts[0] in self.root:
+                for o in n.outputs:
+                    self.root[o] = self.root[firsts[0]]
+                continue
+            nbytes = [t.local_nbytes(nd, sizes) for t, nd in zip(n.types, sbps)]
+            if n.op == Collective.ALL_REDUCE_COALESCED.op and n.outputs:  # pieces of one flat bucket
+                for o in n.outputs:
+                    self.root[o] = n.outputs[0]
+                self.store[n.outputs[0]] = _Storage(sum(nbytes), *_terms(n, n.outputs[0], grads))
+                continue
+            for o, b in zip(n.outputs, nbytes):
+                self.root[o] = o
+                self.store[o] = _Storage(b, *_terms(n, o, grads))
+
+    def nbytes(self, roots) -> int:
+        return sum(self.store[r].nbytes for r in roots)
+
+    def by_term(self, roots, held: bool) -> dict[Term, int]:
+        out = dict.fromkeys(Term, 0)
+        for r in roots:
+            s = self.store[r]
+            out[s.held_term if held else s.term] += s.nbytes
+        return out
+
+
+def _terms(n: Node, value: str, grads: set[str]) -> tuple[Term, Term]:
+    if value in grads:
+        return Term.GRADS, Term.GRADS
+    held = Term.ACTIVATIONS if n.role in (Role.FORWARD, Role.PRE) else Term.TEMPORARIES
+    if Collective.of(n.op) is not None or n.op == TRANSFER:
+        return Term.BUFFERS, held
+    return held, held
+
+
+def _gradient_values(graph: Graph) -> set[str]:
+    """The gradients and what carries them to the optimizer: walking back from each gradient
+    output through accumulators, collectives, buckets and views, down to the op that computed it."""
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    todo = [o.value for o in graph.outputs_of(OutputKind.GRAD)]
+    seen: set[str] = set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        n = producer.get(v)
+        if n is not None and (n.op in _PLUMBING or Collective.of(n.op) is not None or returns_alias(n.op)):
+            todo.extend(n.uses())
+    return seen
+
+
+@dataclass
+class _Peak:
+    total: int = -1
+    terms: dict[Term, int] = field(default_factory=dict)
+    at: str = ""
+    in_flight: int = 0
+
+    def offer(self, total: int, terms: dict[Term, int], at: str, in_flight: int) -> None:
+        if total > self.total:
+            self.total, self.terms, self.at, self.in_flight = total, terms, at, in_flight
+
+
+def _add(*parts: dict[Term, int]) -> dict[Term, int]:
+    return {t: sum(p.get(t, 0) for p in parts) for t in Term}
+
+
+@dataclass
+class _TaskProfile:
+    """A task's own storages over its run: the peak of those it makes, by term."""
+    peak: int
+    terms: dict[Term, int]
+    made: set[str]  # roots it allocates
+
+
+def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[str], outside: set[str],
+                  unread_die_at_birth: bool) -> _TaskProfile:
+    """Liveness inside one task. ``kept``: values that outlive it; ``outside``: roots already
+    live when it starts (its inputs: views of them cost nothing)."""
+    last = len(kernels)
+    born: dict[str, int] = {}
+    used: dict[str, int] = {}  # root -> last instruction that reads it
+    for k, (_, n) in enumerate(kernels):
+        for u in n.uses():
+            r = store.root.get(u)
+            if r is not None and r in born:
+                used[r] = k
+        for o in n.outputs:
+            r = store.root[o]
+            if r not in outside:
+                born.setdefault(r, k)
+    kept_roots = {store.root[v] for v in kept if v in store.root}
+    end: dict[str, int] = {}
+    for r, k in born.items():
+        if r in kept_roots:
+            end[r] = last  # outlives the task
+        elif r in used:
+            end[r] = used[r]
+        else:  # nobody reads it: freed at once by the one-program runner, at return by a task
+            end[r] = k if unread_die_at_birth else last
+    births: dict[int, list[str]] = {}
+    deaths: dict[int, list[str]] = {}
+    for r, k in born.items():
+        births.setdefault(k, []).append(r)
+        deaths.setdefault(end[r], []).append(r)
+    live: set[str] = set()
+    best, best_terms = 0, dict.fromkeys(Term, 0)
+    for k in range(last):
+        live.update(births.get(k, ()))
+        b = store.nbytes(live)
+        if b > best:
+            best, best_terms = b, store.by_term(live, held=False)
+        live.difference_update(deaths.get(k, ()))
+    return _TaskProfile(best, best_terms, set(born))
+
+
+def _graph_output_values(graph: Graph) -> set[str]:
+    return {o.value for o in graph.outputs}
+
+
+def estimate_memory(graph: Graph) -> list[RoleMemory]:
+    """One ``RoleMemory`` per pp stage of ``graph`` (after SBP; after the schedule pass the
+    pipeline's firing order and in-flight micro-batches are in it)."""
+    store = Storages(graph)
+    state = _model_state(graph, store)
+    sbp_devices = graph.mesh.world_size // graph.mesh.size("pp")  # the dp x tp ranks of a stage
+    if graph.schedule is None:
+        return [_one_program(graph, store, state[0], sbp_devices)]
+    return [_pipelined_stage(graph, store, s, state[s], sbp_devices) for s in range(graph.schedule.stages)]
+
+
+def _model_state(graph: Graph, store: Storages) -> dict[int, tuple[int, int, int]]:
+    """Per device stage: bytes of its parameters (and buffers), gradients and optimizer state."""
+    pp = graph.schedule.stages if graph.schedule is not None else 1
+    readers: dict[str, set[int]] = {}
+    for n in graph.nodes:
+        for u in n.uses():
+            readers.setdefault(u, set()).add((n.stage or 0) % pp)
+    made_on = {o: (n.stage or 0) % pp for n in graph.nodes for o in n.outputs}
+    out = {}
+    for s in range(pp):
+        params = sum(store.store[i.value].nbytes for i in graph.inputs
+                     if i.kind in (InputKind.PARAM, InputKind.BUFFER) and s in readers.get(i.value, ()))
+        states = sum(store.store[i.value].nbytes for i in graph.inputs_of(InputKind.STATE) if s in readers.get(i.value, ()))
+        grads = store.nbytes({store.root[o.value] for o in graph.outputs_of(OutputKind.GRAD)
+                              if made_on.get(o.value, 0) == s and o.value in store.root})
+        out[s] = (params, grads, states)
+    return out
+
+
+def _role(stage: int, pp: int, ranks: int, peak: _Peak, state: tuple[int, int, int]) -> RoleMemory:
+    t = peak.terms
+    return RoleMemory(role=f"stage {stage}", stage=stage, ranks=ranks,
+                      params=t[Term.PARAMS], grads=t[Term.GRADS], optimizer=t[Term.OPTIMIZER],
+                      activations=t[Term.ACTIVATIONS], buffers=t[Term.BUFFERS], temporaries=t[Term.TEMPORARIES],
+                      total=peak.total, peak_at=peak.at, in_flight=peak.in_flight,
+                      param_bytes=state[0], grad_bytes=state[1], optimizer_bytes=state[2])
+
+
+def _one_program(graph: Graph, store: Storages, state, ranks: int) -> RoleMemory:
+    """The Runner: every input held for the step; values die after their last use."""
+    held = {store.root[i.value] for i in graph.inputs}
+    prof = _task_profile(store, list(enumerate(graph.nodes)), _graph_output_values(graph), held,
+                         unread_die_at_birth=True)
+    peak = _Peak()
+    base = store.by_term(held, held=True)
+    peak.offer(store.nbytes(held) + prof.peak, _add(base, prof.terms), "step", 1)
+    return _role(0, 1, ranks, peak, state)
+
+
+def _pipelined_stage(graph: Graph, store: Storages, stage: int, state, ranks: int) -> RoleMemory:
+    from sbpc.compiler.passes.schedule import task_graph  # the schedule pass's own task graph
+
+    spec = graph.schedule
+    tg = task_graph(graph)
+    pp, m = spec.stages, spec.microbatches
+    nodes = graph.nodes
+    mine = {k: b for k, b in tg.bodies.items() if k[0] % pp == stage}
+    order = [Task(t.chunk, t.phase, t.mb, t.part) for t in spec.order[stage]]
+    inputs_here = {u for b in mine.values() for u in b.inputs}
+    persistent = {store.root[i.value] for i in graph.inputs if i.kind != InputKind.BATCH and i.value in inputs_here}
+    batch = {store.root[i.value] for i in graph.inputs if i.kind == InputKind.BATCH and i.value in inputs_here}
+    acc_of = {n.args[0].name: n.outputs[0] for n in nodes if n.op == ACCUMULATE}
+    last_of_mb: dict[int, Task] = {}
+    for t in order:
+        if t.mb is not None:
+            last_of_mb[t.mb] = t
+    if m == 1:
+        last_of_mb = {}  # one micro-batch: the update reads its values, nothing is dropped
+    env: list[set[str]] = [set(batch) for _ in range(m)]
+    step_env: set[str] = set()
+    accs: set[str] = set()
+    profiles: dict[tuple, _TaskProfile] = {}
+    peak = _Peak()
+    for task in order:
+        body = mine[task.key]
+        here = env[task.mb] if task.mb is not None else step_env
+        recvs = {store.root[it.outs[0]] for it in body.recvs}
+        here |= recvs
+        held = persistent | step_env | accs | set().union(*env)
+        if task.key not in profiles:
+            kernels = [(it.index, nodes[it.index]) for it in body.kernels]
+            profiles[task.key] = _task_profile(store, kernels, set(body.outputs), held, unread_die_at_birth=False)
+        prof = profiles[task.key]
+        own = prof.made - held  # the task's allocations (its profile counts them)
+        base_roots = held - own
+        in_flight = sum(1 for j in range(m) if env[j] - batch)
+        peak.offer(store.nbytes(base_roots) + prof.peak, _add(store.by_term(base_roots, held=True), prof.terms),
+                   fmt(task), in_flight)
+        here |= {store.root[o] for o in body.outputs}
+        accs |= {store.root[acc_of[o]] for o in body.outputs if o in acc_of}
+        if task.mb is not None and last_of_mb.get(task.mb) == task:
+            env[task.mb] = set()  # the micro-batch's regst is free
+    return _role(stage, pp, ranks, peak, state)
+
+
+def fits(roles: list[RoleMemory], budget: int | None) -> bool:
+    return budget is None or all(r.total <= budget for r in roles)
