@@ -15,6 +15,7 @@ from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.errors import UsageError
+from sbpc.runtime.kinds import Recompute
 from sbpc.runtime.plan import ModelRef, Plan
 
 
@@ -30,11 +31,11 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                   pipeline: PipelineOptions = PipelineOptions(), memory: MemoryOptions = MemoryOptions()) -> CompileResult:
     _refuse_unbuilt(memory)
     mesh = mesh.with_microbatches(pipeline.microbatches)
-    _manager(passes, ctx or CompileContext(), pipeline)  # a broken pass list fails before the capture
+    _manager(passes, ctx or CompileContext(), pipeline, memory)  # a broken pass list fails before the capture
     t0 = time.perf_counter()
     graph = capture(source, mesh, batch_size, optimizer, config)
     result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
-                              pipeline=pipeline)
+                              pipeline=pipeline, memory=memory)
     result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
     result.timings["total"] += result.timings["capture"]
     return result
@@ -42,13 +43,14 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
 
 def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, optimizer: OptimizerConfig,
                      ctx: CompileContext | None = None, passes=None,
-                     pipeline: PipelineOptions = PipelineOptions()) -> CompileResult:
+                     pipeline: PipelineOptions = PipelineOptions(),
+                     memory: MemoryOptions = MemoryOptions()) -> CompileResult:
     """The passes and lowering of a captured graph. A graph captured without stage hints
     serves every mesh of one batch size (``replace(graph, mesh=...)``): the fuzz test
     captures once and compiles on many meshes."""
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
-    graph = _manager(passes, ctx, pipeline).run(graph)
+    graph = _manager(passes, ctx, pipeline, memory).run(graph)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
     plan = lower(graph, model, optimizer, ctx.estimates)
@@ -56,10 +58,10 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     return CompileResult(plan=plan, graph=graph, timings=timings)
 
 
-def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions) -> PassManager:
+def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> PassManager:
     """The pass manager of ``passes`` (default: the whole pipeline), its contracts checked,
     lowering's included."""
-    manager = PassManager(passes if passes is not None else default_pipeline(pipeline), ctx)
+    manager = PassManager(passes if passes is not None else default_pipeline(pipeline, memory.recompute), ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager
 
@@ -70,6 +72,8 @@ def _refuse_unbuilt(memory: MemoryOptions) -> None:
     for key, flag in (("zero", "--zero"), ("recompute", "--recompute"), ("precision", "--precision"),
                       ("offload", "--offload"), ("device_memory", "--device-memory")):
         value = getattr(memory, key)
+        if key == "recompute" and value != Recompute.AUTO:
+            continue  # none, selective, full: the recompute pass
         if value != getattr(default, key):
             raise UsageError(f"{flag} {value} is not implemented yet", hint="see the open memory issue (ZeRO, recompute, "
                              "mixed precision, offload, memory budget)")

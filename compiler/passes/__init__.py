@@ -1,7 +1,7 @@
 """The passes, one per file, and the registry that names them."""
 from dataclasses import dataclass
 
-from sbpc.runtime.kinds import ScheduleName
+from sbpc.runtime.kinds import Recompute as RecomputeMode, ScheduleName
 
 from sbpc.compiler.passes.boxing import Boxing
 from sbpc.compiler.passes.coalesce import Coalesce
@@ -11,12 +11,13 @@ from sbpc.compiler.passes.decompose import Decompose
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
+from sbpc.compiler.passes.recompute import Recompute
 from sbpc.compiler.passes.schedule import Schedule
 from sbpc.compiler.passes.sbp_propagate import SbpPropagate
 from sbpc.compiler.passes.stage_partition import StagePartition
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Localize, Schedule, MemoryPlan)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, Schedule, MemoryPlan)}
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,10 @@ class PipelineOptions:
     microbatches: int = 1
 
 
-def default_pipeline(pipeline: PipelineOptions = PipelineOptions()):
-    """The passes `sbpc compile` runs, in order."""
+def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE):
+    """The passes `sbpc compile` runs, in order. Recompute runs on the boxed graph (its clones
+    copy SBPs and collectives) before localize and schedule (which treat clones as any op)."""
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
-            Localize(), Schedule(schedule=pipeline.schedule, virtual_stages=v), MemoryPlan()]
+            Recompute(mode=recompute), Localize(), Schedule(schedule=pipeline.schedule, virtual_stages=v), MemoryPlan()]
