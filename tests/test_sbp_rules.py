@@ -19,7 +19,7 @@ from sbpc.compiler.sbp.rules.validate import AXIS, Instance, instances, record, 
 from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.errors import IRError
 from sbpc.runtime.backend import make_backend
-from sbpc.runtime.sbp import Broadcast, Partial, Split, local_shape
+from sbpc.runtime.sbp import Broadcast, Partial, Split, divides, local_shape
 from sbpc.runtime.sharding import combine, local_shard
 from sbpc.runtime.topology import Topology
 from sbpc.runtime.weights import init_weights
@@ -281,6 +281,79 @@ def test_strided_split_through_qkv(book):
     assert ((Split(2),) * 3, (Split(2, 3),)) in sigs
     [local] = book.localize(split, [(Split(2, 3),)], [(Split(2),)] * 3, (2,), ("tp",))
     assert local.args == (Ref("x"), 32, 2) and local.types == split.types and local.sbp == [(Split(2),)] * 3
+
+
+def _view_cases() -> list[Instance]:
+    g = torch.Generator().manual_seed(2)
+    x = lambda *s: torch.randn(*s, generator=g)
+    return [synth("aten.view.default", x(4, 6, 8), [24, 8]), synth("aten.view.default", x(24, 8), [4, 6, 8]),
+            synth("aten.reshape.default", x(3, 4, 6), [12, 6]), synth("aten.view.default", x(12), [3, 4]),
+            synth("aten.view.default", x(2, 6), [3, 4]), synth("aten.view.default", x(5, 6, 8), [30, 8]),
+            synth("aten.unflatten.int", x(24, 6), 0, [6, 4]), synth("aten.flatten.using_ints", x(4, 6, 8), 0, 1)]
+
+
+def test_view_splits_an_inner_dim_of_a_folded_group(book):
+    """A split inside a folded group maps to the strided split of the folded dim that cuts as
+    many flat blocks, and back; every offered signature holds on 2 and 3 devices."""
+    sigs = lambda inst, k: {(s.ins, s.outs) for s in book.signatures(inst.node, inst.in_types, k)}
+    fold, unfold, odd3, flat, mixed, odd5, unflat, _ = cases = _view_cases()
+    assert ((Split(1),), (Split(0, 4),)) in sigs(fold, 2)  # [L, B, E] S(1) -> [L*B, E] S(0:L)
+    assert ((Split(1),), (Split(0, 4),)) in sigs(fold, 3)
+    assert ((Split(1, 3),), (Split(0, 12),)) in sigs(fold, 2)  # nested: S(1:q) -> S(0:L*q)
+    assert ((Split(0, 4),), (Split(1),)) in sigs(unfold, 2) and ((Split(0, 4),), (Split(1),)) in sigs(unfold, 3)
+    assert ((Split(0, 3),), (Split(1),)) in sigs(flat, 2)  # [12] S(0:3) -> [3, 4] S(1)
+    assert ((Split(1, 3),), (Split(1, 2),)) in sigs(mixed, 2)  # [2, 6] -> [3, 4]: 6 flat blocks each
+    assert ((Split(1),), (Split(0, 5),)) in sigs(odd5, 2) and ((Split(0, 6),), (Split(1),)) in sigs(unflat, 2)
+    # indivisible: refused, never a wrong layout
+    assert not any(Split(0) in s[0] for s in sigs(odd5, 2))  # 5 rows over 2
+    assert not any(isinstance(x, Split) for s in sigs(mixed, 3) for x in s[0])  # 2 blocks of 3 over 3: straddle
+    assert not any(s[0] == (Split(1),) for s in sigs(odd3, 3))  # the 4 of [3, 4, 6] over 3
+    rep = validate(book, cases, sizes=(2, 3))
+    assert not rep.failures, "\n".join(map(str, rep.failures))
+    assert sum(any(isinstance(x, Split) and x.parts > 1 for x in o.signature.outs + o.signature.ins)
+               for o in rep.outcomes) >= 20
+
+
+def _run_view_nd(book, inst, ins, outs, sizes) -> torch.Tensor:
+    """The logical output of a view run on a 2-D mesh with these nd-SBPs (rank order: the last axis inner)."""
+    [local] = book.localize(inst.node, [ins], [outs], sizes, ("dp", "tp"))
+    shards = []
+    for c0 in range(sizes[0]):
+        row = []
+        for c1 in range(sizes[1]):
+            env = {next(iter(inst.node.uses())): local_shard(inst.ins[0], ins, (c0, c1), sizes)}
+            run_node(local, env)
+            row.append(env[inst.node.outputs[0]])
+        shards.append(combine(row, outs[1]))
+    return combine(shards, outs[0])
+
+
+def test_view_nd_signatures_nest_exactly(book):
+    """Axes apply in order, each on the shard the earlier left: a later axis' strided split
+    counts the blocks of that shard. The nd check keeps exactly the combinations that compute
+    the logical result; (S(0), S(1)) of [L, B, E] is not (S(0), S(0:L)) of [L*B, E]."""
+    import itertools
+
+    sizes = (2, 2)
+    fold = synth("aten.view.default", torch.randn(4, 4, 8), [16, 8])
+    refused = []
+    for inst in _view_cases()[:2] + _view_cases()[6:] + [fold]:
+        one = [s for s in book.signatures(inst.node, inst.in_types, 2) if all(isinstance(x, Split) for x in s.ins + s.outs)]
+        kept = 0
+        for a, b in itertools.product(one, repeat=2):
+            ins, outs = (a.ins[0], b.ins[0]), (a.outs[0], b.outs[0])
+            shapes = [inst.in_types[0].shape, inst.node.types[0].shape]
+            if not all(divides(sh, nd, sizes) for sh, nd in zip(shapes, (ins, outs))):
+                continue
+            exact = book.nd_exact(inst.node, shapes[:1], (ins,), (outs,), sizes)
+            same = torch.equal(_run_view_nd(book, inst, ins, outs, sizes), inst.outs[0])
+            assert exact <= same, f"{inst.node.op} {ins} -> {outs} is kept but wrong"
+            kept += exact
+            refused += [] if exact else [(inst, ins, outs, same)]
+        assert kept >= 4, (inst.node.op, kept)
+    bad = [(ins, outs, same) for inst, ins, outs, same in refused if inst is fold]
+    assert ((Split(0), Split(1)), (Split(0), Split(0, 4)), False) in bad
+    assert not all(same for *_, same in refused)
 
 
 def test_localize_rewrites_shapes_kernels_and_scales(book):

@@ -85,7 +85,7 @@ def test_tied_choices_are_legal_candidates(graph, solved):
 def _combines(n, lay, i) -> bool:
     """The signature is, axis by axis, one of the node's 1-D signatures."""
     for a, k in enumerate(lay.sizes):
-        ones = {(tuple(s.ins), tuple(s.outs)) for s in (lay.with_strides(lay.graph.nodes[i], x) for x in lay.per_size[k][i])}
+        ones = {(tuple(s.ins), tuple(s.outs)) for x in lay.per_size[k][i] for s in lay.with_strides(lay.graph.nodes[i], x)}
         if (tuple(nd[a] for nd in n.sbp_in), tuple(nd[a] for nd in n.sbp)) not in ones:
             return False
     return True

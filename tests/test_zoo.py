@@ -64,19 +64,11 @@ def _compile(model: str, mesh: str, microbatches: int | None = None):
     return _plans[key]
 
 
-# nn.TransformerEncoderLayer folds (seq, batch) into one dim with the batch inner, which no
-# plain split of the batch survives, so a pipeline over micro-batches cannot split it yet
-_NO_RULE_YET = {("torch_decoder", mesh): "a folded (seq, batch) dim cannot be split over micro-batches"
-                for mesh in ("2x2x2", "1x2x2")}
+def _cases(meshes):
+    return [(model, mesh) for model in ZOO for mesh in meshes]
 
 
-def _cases(meshes, pending: dict):
-    """(model, mesh) pairs; the pending ones are strict xfails, which fail once they pass."""
-    return [pytest.param(model, mesh, marks=pytest.mark.xfail(strict=True, reason=pending[model, mesh]))
-            if (model, mesh) in pending else (model, mesh) for model in ZOO for mesh in meshes]
-
-
-@pytest.mark.parametrize("model,mesh", _cases(COMPILE_MESHES, _NO_RULE_YET))
+@pytest.mark.parametrize("model,mesh", _cases(COMPILE_MESHES))
 def test_zoo_compiles(model, mesh):
     plan = _compile(model, mesh)
     assert plan.world_size == parse_mesh(mesh).world_size
@@ -88,7 +80,7 @@ def test_zoo_compiles(model, mesh):
 CHECK_MESHES = {"2x1": 1, "1x2": 1, "2x2": 1, "1x2x2": 4}  # mesh -> micro-batches
 
 
-@pytest.mark.parametrize("model,mesh", _cases(CHECK_MESHES, _NO_RULE_YET))
+@pytest.mark.parametrize("model,mesh", _cases(CHECK_MESHES))
 def test_zoo_matches_eager(model, mesh):
     plan = _compile(model, mesh, CHECK_MESHES[mesh])
     report = check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads")

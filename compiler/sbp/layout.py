@@ -76,7 +76,7 @@ class Layouts:
         return self.rules.signatures(n, in_types, k)
 
     def _strides(self) -> dict[tuple[str, int], int]:
-        uf, demands = UnionFind(), []  # (value, dim) -> its layout class
+        uf, demands, options = UnionFind(), [], []  # (value, dim) -> its layout class
         ks = sorted(self.per_size)
         patterns = self._memo.setdefault("patterns", {})
         self._split_at: list[tuple] = []  # per node: the (position, dim) pairs some signature splits
@@ -92,29 +92,47 @@ class Layouts:
             names = list(n.uses()) + list(n.outputs)
             for p, d, q, e in unions:
                 uf.union((names[p], d), (names[q], e))
+            # a view's strided split follows the shapes (an inner dim of a folded group), and
+            # the same dim may also split plainly: it offers a block count, it does not fix one
+            weak = self.rules.view_like(n.op)
             for p, d, parts in wants:
-                demands.append(((names[p], d), parts))
+                (options if weak else demands).append(((names[p], d), parts))
         # demands resolve against the final classes
         merged: dict = {}
         for at, parts in demands:
             merged.setdefault(uf[at], set()).add(parts)
         parts = {root: next(iter(p)) for root, p in merged.items() if len(p) == 1}
-        # every (value, dim) of more than one block: the rest have one
-        self._blocks = {x: parts[r] for x in list(uf.parents) if (r := uf[x]) in parts}
+        offered: dict = {}
+        for at, c in options:
+            offered.setdefault(uf[at], set()).add(c)
+        # every (value, dim) of more than one block, or offered more: its counts, the fixed one first
+        self._counts = {}
+        for x in list(uf.parents):
+            r = uf[x]
+            first = parts.get(r, 1)
+            more = tuple(sorted(offered.get(r, set()) - {first}))
+            if first != 1 or more:
+                self._counts[x] = (first, *more)
         return parts
 
     def block_count(self, value: str, dim: int) -> int:
-        return self._blocks.get((value, dim), 1)
+        return self._counts.get((value, dim), (1,))[0]
 
-    def with_strides(self, n: Node, sig: Signature) -> Signature:
-        """``sig`` with each split's block count taken from the analysis; a split/cat signature
-        (block counts that differ across the op) keeps the counts its rule gives."""
+    def with_strides(self, n: Node, sig: Signature) -> list[Signature]:
+        """``sig`` with each split's block count taken from the analysis, once per count its
+        class is offered (the fixed one first); a split/cat signature (block counts that differ
+        across the op) keeps the counts its rule gives."""
         names = list(n.uses()) + list(n.outputs)
         sbps = sig.ins + sig.outs
-        source = len({s.parts for s in sbps if isinstance(s, Split)}) > 1
-        fixed = [Split(s.dim, self.block_count(v, s.dim)) if isinstance(s, Split) and not source else s
-                 for v, s in zip(names, sbps)]
-        return Signature(tuple(fixed[:len(sig.ins)]), tuple(fixed[len(sig.ins):]), sig.note)
+        splits = [(v, s) for v, s in zip(names, sbps) if isinstance(s, Split)]
+        if not splits or len({s.parts for _, s in splits}) > 1:
+            return [sig]
+        v0, s0 = splits[0]  # one class: a signature of one block count joins its split positions
+        out = []
+        for c in self._counts.get((v0, s0.dim), (1,)):
+            fixed = [Split(s.dim, c) if isinstance(s, Split) else s for s in sbps]
+            out.append(Signature(tuple(fixed[:len(sig.ins)]), tuple(fixed[len(sig.ins):]), sig.note))
+        return out
 
     def same_candidates(self, i: int, j: int) -> bool:
         """Whether nodes ``i`` and ``j`` (of one layer class) have the same candidates: the same
@@ -127,20 +145,21 @@ class Layouts:
             return True
         a, b = self.graph.nodes[i], self.graph.nodes[j]
         names_a, names_b = list(a.uses()) + list(a.outputs), list(b.uses()) + list(b.outputs)
-        return all(self.block_count(names_a[p], d) == self.block_count(names_b[p], d) for p, d in self._split_at[i])
+        return all(self._counts.get((names_a[p], d)) == self._counts.get((names_b[p], d)) for p, d in self._split_at[i])
 
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
         per_axis = [[_one_axis(self.fixed[a][index], a)] if a in self.fixed else
-                    list({(r := self.with_strides(n, s)).ins + r.outs: r for s in self.per_size[k][index]}.values())
+                    list({r.ins + r.outs: r for s in self.per_size[k][index] for r in self.with_strides(n, s)}.values())
                     for a, k in enumerate(self.sizes)]
         shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         out = []
         for combo in itertools.product(*per_axis):
             ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(combo[0].ins))) if combo else ()
             outs = tuple(tuple(sig.outs[i] for sig in combo) for i in range(len(combo[0].outs))) if combo else ()
-            if all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)):
+            if all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)) and \
+                    self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes):
                 out.append(NdSignature(ins, outs, tuple(s.note for s in combo)))
             if len(out) >= MAX_CANDIDATES:
                 break

@@ -15,7 +15,7 @@ from sbpc.compiler.ir.types import Node, Ref, TensorType
 from sbpc.compiler.sbp.rules.dsl import LITERALS, Rule, parse_rules, rules_error
 from sbpc.compiler.sbp.rules import nn_families, shape_families, vocab  # noqa: F401 - register their families
 from sbpc.compiler.sbp.rules.derive import derived_rule
-from sbpc.compiler.sbp.rules.families import FAMILIES, LOCALIZERS, LocCtx, SigCtx
+from sbpc.compiler.sbp.rules.families import FAMILIES, LOCALIZERS, ND_CHECKS, LocCtx, SigCtx
 from sbpc.compiler.sbp.rules.loops import B, Cand, enumerate_loops, norm_dim
 from sbpc.errors import CompileError
 from sbpc.runtime.backend import torch_op
@@ -236,6 +236,20 @@ class RuleBook:
             if isinstance(s, Partial) and dtype == "bool":
                 return None
         return Signature(ins, outs, cand.note)
+
+    def view_like(self, op: str) -> bool:
+        """Whether ``op``'s signatures map splits by the shapes (a view): its strided splits
+        are options the layout analysis offers, not block counts it fixes."""
+        rule = self.rule(op)
+        return rule is not None and rule.family in ND_CHECKS
+
+    def nd_exact(self, node: Node, in_shapes: list, ins: tuple[NdSbp, ...], outs: tuple[NdSbp, ...],
+                 sizes: tuple[int, ...]) -> bool:
+        """Whether 1-D signatures of ``node``, one per axis, are exact together. They are unless
+        the family's mapping depends on a size an earlier axis' split changes (views)."""
+        rule = self.rule(node.op)
+        check = ND_CHECKS.get(rule.family) if rule is not None else None
+        return check is None or check(in_shapes, [t.shape for t in node.types], ins, outs, sizes)
 
     # ------------------------------------------------------------ localize
 

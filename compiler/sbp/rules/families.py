@@ -11,19 +11,26 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sbpc.compiler.ir.types import Ref
-from sbpc.compiler.sbp.rules.loops import B, Cand, Loops, dim_list, letters, norm_dim, view_groups
+from sbpc.compiler.sbp.rules.loops import (B, Cand, Loops, dim_list, flat_blocks, letters, norm_dim, split_of_blocks,
+                                           view_groups, view_nd_exact)
 from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Partial, Split, local_shape
 
 FAMILIES: dict[str, Callable] = {}
 LOCALIZERS: dict[str, Callable] = {}
+# family -> whether an nd-signature (one 1-D signature per axis, taken together) is exact, for
+# families whose 1-D signatures depend on sizes that another axis' split changes:
+# (in shapes, out shapes, in nd-SBPs, out nd-SBPs, axis sizes) -> bool
+ND_CHECKS: dict[str, Callable] = {}
 
 
-def family(name: str, localizer: Callable | None = None):
+def family(name: str, localizer: Callable | None = None, nd: Callable | None = None):
     def deco(fn):
         FAMILIES[name] = fn
         if localizer is not None:
             LOCALIZERS[name] = localizer
+        if nd is not None:
+            ND_CHECKS[name] = nd
         return fn
     return deco
 
@@ -200,16 +207,36 @@ def _size_loc(lc, self, size=None):
         lc.set[size.value] = lc.local_out(0)
 
 
-@family("view", _size_loc)
+def view_nd(in_shapes, out_shapes, ins, outs, sizes) -> bool:
+    return view_nd_exact(in_shapes[0], out_shapes[0], ins[0], outs[0], sizes)
+
+
+@family("view", _size_loc, view_nd)
 def view(c, self, size=None):
-    a, b = c.shape(c.tensor(self)), c.out_shape(0)
+    """A split maps to the split of the other side that cuts as many blocks of the flattened
+    tensor (loops.flat_blocks): the leading dims of each factor group map plainly (the loop
+    nest), a split of an inner dim of a folded group maps to a strided split of the folded dim
+    and back (``[L, B, E]`` ``S(1)`` <-> ``[L*B, E]`` ``S(0:L)``)."""
+    key = c.tensor(self)
+    a, b = c.shape(key), c.out_shape(0)
     ins, outs = [None] * len(a), [None] * len(b)
     for g, (gi, gj) in enumerate(view_groups(a, b)):
         li = [d for d in gi if a[d] != 1]
         lj = [d for d in gj if b[d] != 1]
         if li and lj:
             ins[li[0]] = outs[lj[0]] = f"g{g}"
-    return Loops(ins={c.tensor(self): ins}, outs=[outs]), []
+    extra = []
+    for src, dst, forward in ((a, b, True), (b, a, False)):
+        for d in range(len(src)):
+            for q in (1, *c.parts):
+                s = Split(d, q)
+                if src[d] == 1 or src[d] % (q * c.axis_size):
+                    continue
+                t = split_of_blocks(dst, flat_blocks(src, s), c.axis_size)
+                if t is not None:
+                    s_in, s_out = (s, t) if forward else (t, s)
+                    extra.append(Cand({key: s_in}, [s_out], f"flat blocks {flat_blocks(src, s)}"))
+    return Loops(ins={key: ins}, outs=[outs]), extra
 
 
 @family("expand", _size_loc)

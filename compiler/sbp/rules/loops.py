@@ -10,6 +10,7 @@ because the op treats every index of a loop the same way.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -120,3 +121,43 @@ def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int],
                 return []  # not a view of equal numel: no split survives it
         groups.append((gi, gj))
     return groups
+
+
+# A view keeps the row-major order of the elements, so a split is best read on the flattened
+# tensor: ``S(d:q)`` of a shape cuts its flat index into ``prod(shape[:d]) * q`` equal blocks,
+# each split over the axis, and a device holds its chunk of every block in block order (the
+# dims after d ride along inside each chunk). Two splits, one of the view's input and one of its
+# output, so lay the flat tensor out alike exactly when they have the same number of flat
+# blocks (and each divides its own dim). A split of the batch inside a folded (seq, batch) dim:
+# ``[L, B, E]`` ``S(1)`` <-> ``[L*B, E]`` ``S(0:L)``.
+
+def flat_blocks(shape, s: Split) -> int:
+    """How many blocks of the flattened tensor the split ``s`` of ``shape`` cuts."""
+    return math.prod(shape[:s.dim]) * s.parts
+
+
+def split_of_blocks(shape, blocks: int, k: int) -> Split | None:
+    """The split of ``shape`` over ``k`` devices that cuts its flat index into ``blocks``
+    blocks, if one does: a dim d whose leading dims make ``blocks`` whole blocks of it, each
+    of which divides by ``k``. None when the chunks would straddle dims (not a split)."""
+    for d, n in enumerate(shape):
+        before = math.prod(shape[:d])
+        if n != 1 and blocks % before == 0 and n % (blocks // before) == 0 and n // (blocks // before) % k == 0:
+            return Split(d, blocks // before)
+    return None
+
+
+def view_nd_exact(a, b, in_nd, out_nd, sizes) -> bool:
+    """Whether a view ``a -> b`` with these nd-SBPs is exact. Axes apply in order, each on the
+    shard the earlier ones left, so each axis' splits must cut the same number of flat blocks
+    of the local shapes: an earlier axis splitting a dim in front of a later axis' split dim
+    changes that count (``[L, B, E]`` ``(S(0), S(1))`` is ``(S(0), S(0:L/k))`` of ``[L*B, E]``)."""
+    la, lb = list(a), list(b)
+    for si, so, k in zip(in_nd, out_nd, sizes):
+        if k == 1 or not (isinstance(si, Split) or isinstance(so, Split)):
+            continue
+        if not (isinstance(si, Split) and isinstance(so, Split)) or flat_blocks(la, si) != flat_blocks(lb, so):
+            return False
+        la[si.dim] //= k
+        lb[so.dim] //= k
+    return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sbpc.compiler.ir.types import Ref
-from sbpc.compiler.sbp.rules.families import elementwise, family
+from sbpc.compiler.sbp.rules.families import elementwise, family, view_nd
 from sbpc.compiler.sbp.rules.loops import Cand, Loops, dim_list, letters, norm_dim
 from sbpc.runtime.plan import DTYPES
 from sbpc.runtime.sbp import Partial, Split, local_shape
@@ -241,7 +241,7 @@ def _unflatten_loc(lc, self, dim, sizes):
     lc.set[sizes.value] = lc.local_out(0)[d:d + len(lc.value(sizes))]
 
 
-@family("unflatten", _unflatten_loc)
+@family("unflatten", _unflatten_loc, view_nd)
 def unflatten(c, self, dim, sizes):
     from sbpc.compiler.sbp.rules.families import view
 
@@ -267,7 +267,7 @@ def _squeeze_loc(lc, self):
     lc.args = (lc.node.args[0], lc.local_out(0))
 
 
-@family("squeeze", _squeeze_loc)
+@family("squeeze", _squeeze_loc, view_nd)
 def squeeze(c, self):
     """``squeeze``: a view, run as a reshape to the local shape (squeeze of a dim that is not 1 is
     a no-op, but its block on a device may be 1)."""
