@@ -230,7 +230,7 @@ def view(c, self, size=None):
         for d in range(len(src)):
             for q in (1, *c.parts):
                 s = Split(d, q)
-                if src[d] == 1 or src[d] % (q * c.axis_size):
+                if src[d] in (0, 1) or src[d] % (q * c.axis_size) or 0 in src:  # an empty tensor has no blocks
                     continue
                 t = split_of_blocks(dst, flat_blocks(src, s), c.axis_size)
                 if t is not None:

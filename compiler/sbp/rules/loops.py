@@ -142,7 +142,7 @@ def split_of_blocks(shape, blocks: int, k: int) -> Split | None:
     of which divides by ``k``. None when the chunks would straddle dims (not a split)."""
     for d, n in enumerate(shape):
         before = math.prod(shape[:d])
-        if n != 1 and blocks % before == 0 and n % (blocks // before) == 0 and n // (blocks // before) % k == 0:
+        if n != 1 and before and blocks % before == 0 and n % (blocks // before) == 0 and n // (blocks // before) % k == 0:
             return Split(d, blocks // before)
     return None
 
