@@ -147,19 +147,26 @@ class Layouts:
         names_a, names_b = list(a.uses()) + list(a.outputs), list(b.uses()) + list(b.outputs)
         return all(self._counts.get((names_a[p], d)) == self._counts.get((names_b[p], d)) for p, d in self._split_at[i])
 
+    def exact(self, index: int, ins: tuple[NdSbp, ...], outs: tuple[NdSbp, ...]) -> bool:
+        """Whether node ``index`` computes its op exactly with these nd-SBPs: every split divides
+        its dim, and the one-axis signatures hold together (a view's flat blocks, counted on the
+        shard the earlier axes leave). Every nd-signature the solver may pick passes here."""
+        n = self.graph.nodes[index]
+        shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
+        return all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)) and \
+            self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes)
+
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
         per_axis = [[_one_axis(self.fixed[a][index], a)] if a in self.fixed else
                     list({r.ins + r.outs: r for s in self.per_size[k][index] for r in self.with_strides(n, s)}.values())
                     for a, k in enumerate(self.sizes)]
-        shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         out = []
         for combo in itertools.product(*per_axis):
             ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(combo[0].ins))) if combo else ()
             outs = tuple(tuple(sig.outs[i] for sig in combo) for i in range(len(combo[0].outs))) if combo else ()
-            if all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)) and \
-                    self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes):
+            if self.exact(index, ins, outs):
                 out.append(NdSignature(ins, outs, tuple(s.note for s in combo)))
             if len(out) >= MAX_CANDIDATES:
                 break

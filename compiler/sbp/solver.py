@@ -187,9 +187,9 @@ class Solver:
 
     def _add_combined(self, idx: int, want) -> int | None:
         """The candidate made of each axis's one-axis choice, added when the capped candidate
-        list left it out; None when it does not divide."""
+        list left it out; None when it is not exact (a split does not divide, or the axes do not
+        hold together)."""
         st = self.state
-        n = st.graph.nodes[idx]
         first = want[0][1]
         width = len(st.axes)
 
@@ -201,11 +201,11 @@ class Solver:
 
         count = len(first.ins) + len(first.outs)
         sbps = [nd(p) for p in range(count)]
-        shapes = [st.types[u].shape for u in st.uses[idx]] + [t.shape for t in n.types]
-        if not all(divides(shape, x, st.sizes) for shape, x in zip(shapes, sbps)):
+        ins, outs = tuple(sbps[:len(first.ins)]), tuple(sbps[len(first.ins):])
+        if not st.layouts.exact(idx, ins, outs):
             return None
         notes = tuple(next((w.notes[a] for b, w in want if b == a), "all B") for a in range(width))
-        st.cands[idx].append(NdSignature(tuple(sbps[:len(first.ins)]), tuple(sbps[len(first.ins):]), notes))
+        st.cands[idx].append(NdSignature(ins, outs, notes))
         return len(st.cands[idx]) - 1
 
     def greedy(self) -> None:
@@ -272,6 +272,9 @@ class Solver:
         nodes = []
         for idx, n in enumerate(st.graph.nodes):
             c = st.chosen(idx)
+            if not st.layouts.exact(idx, c.ins, c.outs):  # a bug in a move: never emit a wrong plan
+                raise RuntimeError(f"the SBP search chose an inexact signature for {n.op} -> %{n.outputs[0]}: "
+                                   f"{list(c.ins)} -> {list(c.outs)}")
             nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[st.cls.rep[idx]]))
         inputs = [replace(i, sbp=st.sbp[i.value], why=st.why[i.value]) for i in st.graph.inputs]
         return replace(st.graph, inputs=inputs, nodes=nodes)
