@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.frontend.hints import ParallelConfig
@@ -14,7 +14,8 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
-from sbpc.errors import UsageError
+from sbpc.compiler.memory.estimate import fits
+from sbpc.errors import CompileError, UsageError
 from sbpc.runtime.kinds import Recompute
 from sbpc.runtime.plan import ModelRef, Plan
 
@@ -31,7 +32,9 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                   pipeline: PipelineOptions = PipelineOptions(), memory: MemoryOptions = MemoryOptions()) -> CompileResult:
     _refuse_unbuilt(memory)
     mesh = mesh.with_microbatches(pipeline.microbatches)
-    _manager(passes, ctx or CompileContext(), pipeline, memory)  # a broken pass list fails before the capture
+    # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
+    _manager(passes, ctx or CompileContext(), pipeline,
+             replace(memory, recompute=Recompute.NONE) if memory.recompute == Recompute.AUTO else memory)
     t0 = time.perf_counter()
     graph = capture(source, mesh, batch_size, optimizer, config)
     result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
@@ -50,6 +53,8 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     captures once and compiles on many meshes."""
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
+    if memory.recompute == Recompute.AUTO:
+        memory = _least_recompute(graph, passes, ctx, pipeline, memory)
     graph = _manager(passes, ctx, pipeline, memory).run(graph)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
@@ -66,14 +71,40 @@ def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: Mem
     return manager
 
 
+_RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # least recompute first
+
+
+def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions,
+                     memory: MemoryOptions) -> MemoryOptions:
+    """``--recompute auto``: the first of none, selective, full whose estimate
+    (``estimate_memory``: every pp stage's peak) fits ``--device-memory``. Candidates are
+    compiled without printing; the caller compiles the chosen one as usual."""
+    quiet = replace(ctx, print_after=set(), print_after_all=False, dump_dir=None, estimates={})
+    roles = []
+    for mode in _RECOMPUTE_ORDER:
+        chosen = replace(memory, recompute=mode)
+        trial = replace(quiet, estimates={})
+        _manager(passes, trial, pipeline, chosen).run(graph)
+        roles = trial.estimates["roles"]  # memory-plan's estimate_memory
+        if fits(roles, memory.device_memory):
+            print(f"sbpc: --recompute auto chose {mode.value}: the largest rank role needs "
+                  f"{max(r.total for r in roles) / 2**20:,.1f} MiB of {memory.device_memory / 2**20:,.1f} MiB",
+                  file=ctx.log)
+            return chosen
+    worst = max(roles, key=lambda r: r.total)
+    raise CompileError(f"no --recompute mode fits --device-memory {memory.device_memory / 2**20:,.1f} MiB: with full "
+                       f"recompute {worst.role} needs {worst.total / 2**20:,.1f} MiB",
+                       hint="a ZeRO stage, more tp or pp, or a smaller batch")
+
+
 def _refuse_unbuilt(memory: MemoryOptions) -> None:
     """The memory options whose passes are not built yet are refused, never ignored."""
     default = MemoryOptions()
     for key, flag in (("zero", "--zero"), ("recompute", "--recompute"), ("precision", "--precision"),
                       ("offload", "--offload"), ("device_memory", "--device-memory")):
         value = getattr(memory, key)
-        if key == "recompute" and value != Recompute.AUTO:
-            continue  # none, selective, full: the recompute pass
+        if key == "recompute" or (key == "device_memory" and memory.recompute == Recompute.AUTO):
+            continue  # the recompute pass; auto picks its mode by the budget
         if value != getattr(default, key):
             raise UsageError(f"{flag} {value} is not implemented yet", hint="see the open memory issue (ZeRO, recompute, "
                              "mixed precision, offload, memory budget)")

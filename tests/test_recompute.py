@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from conftest import sbpc_check
-from sbpc.compiler.driver import compile_captured, compile_model
+from sbpc.compiler.driver import compile_captured
 from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.frontend.hints import load_config
 from sbpc.compiler.frontend.model_loader import load_model
@@ -17,7 +17,7 @@ from sbpc.compiler.ir.mesh import parse_mesh
 from sbpc.compiler.ir.types import Role
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pipelining.stage_policy import layer_key
-from sbpc.errors import UsageError
+from sbpc.errors import CompileError
 from sbpc.runtime.kinds import Recompute
 
 GPT, GPT_MEGATRON = "examples/gpt.py", "examples/gpt.megatron.toml"
@@ -26,13 +26,14 @@ OPT = OptimizerConfig()
 _captured: dict = {}
 
 
-def _compile(model: str, mesh: str, config: str | None, mode: str):
-    key = (model, mesh, config)
+def _compile(model: str, mesh: str, config: str | None, mode: str, device_memory: int | None = None, **sets):
+    key = (model, mesh, config, tuple(sorted(sets.items())))
     if key not in _captured:
-        source = load_model(model, {})
+        source = load_model(model, sets)
         _captured[key] = (capture(source, parse_mesh(mesh), 4, OPT, load_config(config) if config else None), source)
     graph, source = _captured[key]
-    return compile_captured(graph, source, batch_size=4, optimizer=OPT, memory=MemoryOptions(recompute=Recompute(mode)))
+    return compile_captured(graph, source, batch_size=4, optimizer=OPT,
+                            memory=MemoryOptions(recompute=Recompute(mode), device_memory=device_memory))
 
 
 def _clones(result):
@@ -93,10 +94,19 @@ def test_selective_recomputes_nothing_in_fused_attention():
     assert _clones(sel) == [] and len(sel.graph.nodes) == len(none.graph.nodes)
 
 
-def test_auto_is_refused_until_the_memory_estimate_drives_it():
-    with pytest.raises(UsageError, match="--recompute auto is not implemented yet"):
-        compile_model(load_model(GPT, {}), parse_mesh("1"), batch_size=4, optimizer=OPT,
-                      memory=MemoryOptions(recompute=Recompute.AUTO, device_memory=10**9))
+def test_auto_picks_the_least_recompute_that_fits():
+    """At seq 256 activations dominate the tiny GPT's peak (at seq 32 the update's new values do,
+    and recompute cannot move it)."""
+    peak = lambda r: max(role.total for role in r.plan.estimates.roles)
+    run = lambda mode, budget=None: _compile(GPT, "1x2", GPT_MEGATRON, mode, device_memory=budget, seq=256)
+    none, full = peak(run("none")), peak(run("full"))
+    assert full < 0.6 * none
+    auto = lambda budget: run("auto", budget)
+    assert len(_clones(auto(none))) == 0  # none fits: nothing recomputed
+    chosen = auto(full)  # only full fits (selective recomputes nothing in gpt.py's fused attention)
+    assert len(_clones(chosen)) == len(_clones(run("full"))) > 0 and peak(chosen) == full
+    with pytest.raises(CompileError, match=r"no --recompute mode fits --device-memory .*: with full recompute stage 0 needs"):
+        auto(full - 1)
 
 
 @pytest.mark.parametrize("mode,config", [("full", None), ("full", GPT_MEGATRON), ("selective", GPT_MEGATRON)])
