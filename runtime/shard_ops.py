@@ -1,5 +1,5 @@
 """Rank-aware compute kernels: the local half of ops whose vocab or class dim is split, and
-the local block of a split ``arange``.
+the local block of a split ``arange``, the local shard of a random draw (``runtime.rng``).
 
 Each kernel computes what its rank holds from its own shard and its mesh coordinate, and
 never communicates; the compiler's boxing does the rest (a masked lookup gives a partial sum,
@@ -14,6 +14,8 @@ order, matching ``runtime.sharding.local_shard``.
 from __future__ import annotations
 
 import torch
+
+from sbpc.runtime.rng import RANDOM_SHARD, random_shard
 
 aten = torch.ops.aten
 
@@ -110,4 +112,5 @@ KERNELS = {
     "sbpc.embedding_dense_backward_masked": embedding_dense_backward_masked,
     "sbpc.nll_loss_forward_masked": nll_loss_forward_masked,
     "sbpc.nll_loss_backward_masked": nll_loss_backward_masked,
+    RANDOM_SHARD: random_shard,
 }

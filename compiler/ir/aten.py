@@ -1,6 +1,7 @@
 """What the compiler asks of an operator, answered from its torch schema and tags.
 
-``sbpc.*`` ops have no torch schema: they are pure, deterministic and alias nothing.
+``sbpc.*`` ops have no torch schema: they are pure, deterministic and alias nothing, but for
+``sbpc.random_shard`` (a device's shard of a random draw), which draws as its op does.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from functools import lru_cache
 import torch
 
 from sbpc.runtime.backend import torch_op
+from sbpc.runtime.rng import RANDOM_SHARD
 
 
 @lru_cache(maxsize=None)
@@ -20,6 +22,8 @@ def is_mutating(op: str) -> bool:
 @lru_cache(maxsize=None)
 def is_random(op: str) -> bool:
     """Draws from the RNG: two calls are two draws, and dropping one shifts the stream."""
+    if op == RANDOM_SHARD:
+        return True
     overload = torch_op(op)
     return overload is not None and torch.Tag.nondeterministic_seeded in overload.tags
 

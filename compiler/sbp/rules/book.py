@@ -13,7 +13,7 @@ from typing import Any
 
 from sbpc.compiler.ir.types import Node, Ref, TensorType
 from sbpc.compiler.sbp.rules.dsl import LITERALS, Rule, parse_rules, rules_error
-from sbpc.compiler.sbp.rules import nn_families, shape_families, vocab  # noqa: F401 - register their families
+from sbpc.compiler.sbp.rules import nn_families, random_ops, shape_families, vocab  # noqa: F401 - register their families
 from sbpc.compiler.sbp.rules.derive import derived_rule
 from sbpc.compiler.sbp.rules.families import FAMILIES, LOCALIZERS, ND_CHECKS, LocCtx, SigCtx
 from sbpc.compiler.sbp.rules.loops import B, Cand, enumerate_loops, norm_dim

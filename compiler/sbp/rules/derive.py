@@ -118,7 +118,11 @@ def derived_rule(op: str) -> Rule | None:
     if tensors is None or not tensors:
         return None
     if torch.Tag.nondeterministic_seeded in kernel.tags:
-        return _rule(op, "broadcast_only", [])  # every rank draws the whole tensor from one seed
+        from sbpc.compiler.sbp.rules.random_ops import shape_only
+
+        if shape_only(op):  # each device keeps its shard of the logical draw
+            return _rule(op, "random", [_name(t) for t in tensors])
+        return _rule(op, "broadcast_only", [])  # reads values: every rank draws the whole tensor
     _, packet, _ = op.split(".")
     if packet == "_to_copy":
         return _rule(op, "convert", [_name("self")])

@@ -252,6 +252,13 @@ def _check(book: RuleBook, inst: Instance, sig: Signature, k: int, seed: int, to
         local = book.localize(node, [(s,) for s in sig.ins], [(s,) for s in sig.outs], (k,), (AXIS,))
     except Exception as err:  # noqa: BLE001 - reported as a failed signature
         return f"localize failed: {type(err).__name__}: {err}"
+    wants = inst.outs
+    if is_random(node.op):
+        # the logical draw at the stream position every simulated rank starts from (a recorded
+        # output came from another position); each rank must then hold its shard of that draw
+        env = dict(zip(names, inst.ins))
+        run_node(node, env)
+        wants = [env.get(o) for o in node.outputs]
     per_rank = []
     for r in range(k):
         env = {nm: sh[r] for nm, sh in zip(names, shards)}
@@ -262,7 +269,7 @@ def _check(book: RuleBook, inst: Instance, sig: Signature, k: int, seed: int, to
         except Exception as err:  # noqa: BLE001
             return f"rank {r}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         per_rank.append([env.get(o) for o in node.outputs])
-    for i, (t, s, want) in enumerate(zip(node.types, sig.outs, inst.outs)):
+    for i, (t, s, want) in enumerate(zip(node.types, sig.outs, wants)):
         if t.dtype == "none" or want is None:
             continue
         got = [rank[i] for rank in per_rank]
