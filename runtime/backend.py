@@ -137,6 +137,8 @@ class Backend(ABC):
         self._own: dict[str, Callable] | None = None
         # the micro-batch being computed and how many a step has (``shard_slice`` over "mb")
         self.microbatch, self.microbatches = 0, 1
+        # a pipelined step's generator state before each of its random draws (runtime/rng.py)
+        self.rng_states: list[torch.Tensor] | None = None
 
     def kernel(self, op: str) -> Callable:
         fn = self._cache.get(op)

@@ -85,8 +85,7 @@ class PipelineRunner(Runner):
     def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
              keep_grads: bool = False) -> StepResult:
         self._check_batch(batch)
-        if rng_seed is not None:
-            torch.manual_seed(rng_seed)
+        self._seed_step(rng_seed)
         step_env: dict[str, torch.Tensor] = {}
         for group, specs in ((self.params, self.plan.params), (self.buffers, self.plan.buffers),
                              (self.states, self.plan.states)):

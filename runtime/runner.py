@@ -24,6 +24,7 @@ from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.model_file import import_model_file
 from sbpc.runtime.plan import Plan, TensorSpec
+from sbpc.runtime.rng import draws, replay
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
 from sbpc.runtime.sharding import combine, local_shard
 from sbpc.runtime.weights import init_weights
@@ -81,6 +82,15 @@ class Runner:
         self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
         self.spec_sbp = {s.name: self._nd(s.sbp) for s in specs}
+        self._draws = draws([ins for prog in plan.stages for ins in prog.instructions])
+
+    def _seed_step(self, rng_seed: int | None) -> None:
+        """Seed torch's RNG as eager's step is seeded; a pipelined plan then replays the step's
+        draws and keeps the generator state before each (runtime/rng.py)."""
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
+        if self._draws:
+            self.backend.rng_states = replay(self._draws)
 
     def _load(self, weights, seed: int, params: set[str], buffers: set[str], states: set[str]) -> None:
         """This rank's shards of the named params and buffers, and zeroed optimizer states."""
@@ -116,8 +126,7 @@ class Runner:
         """One training step. ``rng_seed`` seeds torch's RNG first, so dropout masks are those of
         an eager step seeded the same way (the program draws them in eager's order)."""
         self._check_batch(batch)
-        if rng_seed is not None:
-            torch.manual_seed(rng_seed)
+        self._seed_step(rng_seed)
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
                *(self._shard(b, spec).to(self.backend.device) for b, spec in zip(batch, self.plan.batch))]
         start = time.time()

@@ -81,7 +81,8 @@ def test_print_after_and_dump_dir(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-stage-partition.sbpir", "06-sbp-propagate.sbpir", "07-boxing.sbpir", "08-coalesce.sbpir",
-                     "09-recompute.sbpir", "10-localize.sbpir", "11-schedule.sbpir", "12-memory-plan.sbpir"]
+                     "09-recompute.sbpir", "10-localize.sbpir", "11-random-draws.sbpir", "12-schedule.sbpir",
+                     "13-memory-plan.sbpir"]
     assert "stage=0" in (tmp_path / "05-stage-partition.sbpir").read_text()
 
 

@@ -12,12 +12,13 @@ from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
 from sbpc.compiler.passes.recompute import Recompute
+from sbpc.compiler.passes.random_draws import RandomDraws
 from sbpc.compiler.passes.schedule import Schedule
 from sbpc.compiler.passes.sbp_propagate import SbpPropagate
 from sbpc.compiler.passes.stage_partition import StagePartition
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, Schedule, MemoryPlan)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, MemoryPlan)}
 
 
 @dataclass(frozen=True)
@@ -35,4 +36,5 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
-            Recompute(mode=recompute), Localize(), Schedule(schedule=pipeline.schedule, virtual_stages=v), MemoryPlan()]
+            Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
+            MemoryPlan()]
