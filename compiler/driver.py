@@ -66,7 +66,8 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
 def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> PassManager:
     """The pass manager of ``passes`` (default: the whole pipeline), its contracts checked,
     lowering's included."""
-    manager = PassManager(passes if passes is not None else default_pipeline(pipeline, memory.recompute), ctx)
+    passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero)
+    manager = PassManager(passes, ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager
 
@@ -100,7 +101,7 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
 def _refuse_unbuilt(memory: MemoryOptions) -> None:
     """The memory options whose passes are not built yet are refused, never ignored."""
     default = MemoryOptions()
-    for key, flag in (("zero", "--zero"), ("recompute", "--recompute"), ("precision", "--precision"),
+    for key, flag in (("recompute", "--recompute"), ("precision", "--precision"),
                       ("offload", "--offload"), ("device_memory", "--device-memory")):
         value = getattr(memory, key)
         if key == "recompute" or (key == "device_memory" and memory.recompute == Recompute.AUTO):

@@ -25,7 +25,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
-from sbpc.compiler.ir.mesh import KNOWN_AXES
+from sbpc.compiler.ir.mesh import KNOWN_AXES, MICROBATCH
 from sbpc.compiler.memory_options import MEMORY_FLAGS
 from sbpc.errors import UsageError
 from sbpc.runtime.kinds import ScheduleName
@@ -62,13 +62,14 @@ class Hint:
         for part in filter(None, (p.strip() for p in spec.split(";"))):
             axis, _, sbp = part.partition("=")
             pairs[axis.strip()] = sbp.strip()
-        return cls(parse_axes(pairs, source), source)
+        # the compiler's own hints (ZeRO's, compiler/passes/zero.py) may name the micro-batch axis
+        return cls(parse_axes(pairs, source, _SBP_AXES + (MICROBATCH,)), source)
 
 
-def parse_axes(spec: dict, where: str) -> tuple[tuple[str, Sbp], ...]:
+def parse_axes(spec: dict, where: str, known: tuple[str, ...] = _SBP_AXES) -> tuple[tuple[str, Sbp], ...]:
     out = []
     for axis, text in spec.items():
-        if axis not in _SBP_AXES:
+        if axis not in known:
             raise UsageError(f"unknown mesh axis {axis!r} in a hint", location=where, hint=_AXES_HINT)
         if not isinstance(text, str):
             raise UsageError(f"the SBP for axis {axis} must be a string such as \"S(0)\", not {text!r}", location=where)

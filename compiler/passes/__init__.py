@@ -16,9 +16,10 @@ from sbpc.compiler.passes.random_draws import RandomDraws
 from sbpc.compiler.passes.schedule import Schedule
 from sbpc.compiler.passes.sbp_propagate import SbpPropagate
 from sbpc.compiler.passes.stage_partition import StagePartition
+from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, MemoryPlan)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, MemoryPlan, Zero)}
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,13 @@ class PipelineOptions:
     microbatches: int = 1
 
 
-def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE):
-    """The passes `sbpc compile` runs, in order. Recompute runs on the boxed graph (its clones
+def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,
+                     zero: int = 0):
+    """The passes `sbpc compile` runs, in order. ZeRO (hints on the dp axis) runs before the
+    stage partition places its hints. Recompute runs on the boxed graph (its clones
     copy SBPs and collectives) before localize and schedule (which treat clones as any op)."""
     v = pipeline.virtual_stages
-    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(),
+    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
             MemoryPlan()]

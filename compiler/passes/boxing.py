@@ -5,7 +5,8 @@ producer made something else, the steps of ``boxing_plan`` (one collective, slic
 per mesh axis) are inserted right before the first op that needs it; later ops needing the
 same conversion reuse the result. A collective carries the source location of the op whose
 result it converts (the row-parallel matmul, not the layer norm after it), and its ``why``
-names the op that needed it. Updated parameters and optimizer state are converted back
+names the op that needed it (a parameter split over dp, ZeRO-3, is converted again in each
+phase rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
 The pass ends by verifying that every consumer receives exactly the SBP it expects.
 """
@@ -19,7 +20,7 @@ from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
-from sbpc.runtime.sbp import NdSbp, format_nd_sbp
+from sbpc.runtime.sbp import NdSbp, Split, format_nd_sbp
 
 
 @dataclass
@@ -44,6 +45,11 @@ class _Inserter:
         self.fresh = FreshNames(set(self.types))
         self.made_at = {v: graph.nodes[i].loc for v, i in graph.producers().items()}
         self.out: list[Node] = []
+        # parameters split over dp (ZeRO-3): gathered again in each phase, never kept from the
+        # forward to the backward (that is the memory ZeRO-3 saves)
+        dp = self.axes.index("dp") if "dp" in self.axes else None
+        self.regather = {i.value for i in graph.inputs if i.kind == InputKind.PARAM and dp is not None
+                         and i.sbp is not None and isinstance(i.sbp[dp], Split) and self.sizes[dp] > 1}
 
     def run(self) -> Graph:
         for n in self.g.nodes:
@@ -69,7 +75,7 @@ class _Inserter:
         have = self.sbp.get(value)
         if have is None or have == need:
             return value
-        key = (value, need)
+        key = (value, need, self._phase(value, consumer))
         if key in self.boxed:
             return self.boxed[key]
         cur_name, cur = value, have
@@ -87,6 +93,12 @@ class _Inserter:
         self.boxed[key] = cur_name
         return cur_name
 
+    def _phase(self, value: str, consumer: Node) -> Role | None:
+        """Conversions are shared by all consumers, except a regathered parameter's: per phase."""
+        if value not in self.regather:
+            return None
+        return Role.FORWARD if consumer.role == Role.PRE else consumer.role
+
     def _restore_layouts(self, outputs):
         """An updated param/state must leave the step in the layout it came in with."""
         by_name = {i.name: i for i in self.g.inputs if i.kind in (InputKind.PARAM, InputKind.STATE)}
@@ -94,13 +106,15 @@ class _Inserter:
         for o in outputs:
             src = by_name.get(o.name) if o.kind == OutputKind.UPDATE else None
             if src is not None and src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp):
-                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._last_stage())
+                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value))
                 o = replace(o, value=self.convert(o.value, src.sbp, anchor))
             fixed.append(o)
         return fixed
 
-    def _last_stage(self):
-        return self.out[-1].stage if self.out else None
+    def _stage_of(self, value: str):
+        """The chunk that makes ``value`` (its conversion runs there too; the last one for an input)."""
+        made = next((n.stage for n in reversed(self.out) if value in n.outputs), None)
+        return made if made is not None else (self.out[-1].stage if self.out else None)
 
 
 

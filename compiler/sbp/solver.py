@@ -43,10 +43,27 @@ class Solver:
                 same = param.type.shape == i.type.shape
                 st.sbp[i.value] = st.sbp[param.value] if same else self._bcast()
                 st.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
+                if same and i.value in hinted:  # ZeRO: split on dp (compiler/passes/zero.py)
+                    st.sbp[i.value], st.why[i.value] = self._state_sbp(i, param, hinted[i.value])
         for o in g.outputs_of(OutputKind.UPDATE):
             src = by_name[o.name].value
             st.require(o.value, ("update", o.name), st.sbp[src])
         self._weigh()
+
+    def _state_sbp(self, i: GraphInput, param: GraphInput, hint_node) -> tuple[NdSbp, str]:
+        """An optimizer state with a hint of its own: its parameter's layout, the hinted axes
+        replaced (strided like the parameter where the parameter's dim is strided)."""
+        st = self.state
+        nd = list(st.sbp[param.value])
+        hint = hint_of(hint_node)
+        for axis, s in hint.axes:
+            if axis in st.axes and st.sizes[st.axes.index(axis)] > 1:
+                if isinstance(s, Split):
+                    s = Split(s.dim, max(s.parts, st.layouts.block_count(param.value, s.dim),
+                                         st.layouts.block_count(i.value, s.dim)))
+                nd[st.axes.index(axis)] = s
+        self._check_divides(i.type, tuple(nd), f"optimizer state {i.name!r}", hint.source)
+        return tuple(nd), f"optimizer state of {param.name}: its parameter's layout, {hint.spec()} by {hint.source}"
 
     def _bcast(self) -> NdSbp:
         return tuple(Broadcast() for _ in self.state.axes)
