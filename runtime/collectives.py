@@ -14,6 +14,8 @@ Semantics, for one mesh axis of size n on which this rank has index i (other axe
     ``join_chunks([x_0 .. x_{n-1}], S(dim:parts))``: the logical tensor.
 ``sbpc.reduce_scatter(x, axis, dim, parts=1, reduce="sum")``   P -> S(dim:parts)
     ``take_chunk(sum_j x_j, S(dim:parts), i, n)``.
+``sbpc.reduce_scatter_coalesced(xs, axis, dims, parts, reduce)`` / ``sbpc.all_gather_coalesced(xs, axis, dims, parts)``
+    the same for a bucket of tensors, in one call (``all_reduce_coalesced`` likewise).
 ``sbpc.all_to_all(x, axis, src_dim, dst_dim, src_parts=1, dst_parts=1)``   S(src) -> S(dst)
     x is this rank's shard of L under ``S(src_dim:src_parts)``; the result is its shard of L
     under ``S(dst_dim:dst_parts)``, where L = ``join_chunks([x_0 .. x_{n-1}], S(src_dim:src_parts))``.
@@ -103,6 +105,35 @@ def reduce_scatter(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts
     return backend.communicator.reduce_scatter(_arrange(x, Split(dim, parts), len(group)), group, dim, _reduce(reduce))
 
 
+def reduce_scatter_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int], parts: list[int],
+                             reduce: str = "sum") -> list[torch.Tensor]:
+    """Several reduce-scatters in one call (a bucket of ZeRO gradients): rank j's chunk of every
+    tensor goes into the j-th n-th of one flat buffer, which is reduce-scattered."""
+    group, index = axis_group(backend, axis)
+    n = len(group)
+    if n == 1:
+        return list(xs)
+    splits = [Split(_dim(x, d), k) for x, d, k in zip(xs, dims, parts)]
+    chunks = [[take_chunk(x, s, j, n) for x, s in zip(xs, splits)] for j in range(n)]
+    flat = torch.cat([c.reshape(-1) for per_rank in chunks for c in per_rank])
+    mine = backend.communicator.reduce_scatter(flat, group, 0, _reduce(reduce))
+    return [piece.view(c.shape) for piece, c in zip(mine.split([c.numel() for c in chunks[index]]), chunks[index])]
+
+
+def all_gather_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int],
+                         parts: list[int]) -> list[torch.Tensor]:
+    """Several all-gathers in one call (a bucket of updated ZeRO shards): this rank's shards
+    travel as one flat buffer; each tensor is joined from every rank's piece of it."""
+    group, _ = axis_group(backend, axis)
+    n = len(group)
+    if n == 1:
+        return list(xs)
+    flat = backend.communicator.all_gather(torch.cat([x.reshape(-1) for x in xs]), group, 0)
+    per_rank = [piece.split([x.numel() for x in xs]) for piece in flat.chunk(n)]
+    return [join_chunks([per_rank[j][t].view(x.shape) for j in range(n)], Split(_dim(x, d), k))
+            for t, (x, d, k) in enumerate(zip(xs, dims, parts))]
+
+
 def all_to_all(backend: Backend, x: torch.Tensor, axis: str, src_dim: int, dst_dim: int,
                src_parts: int = 1, dst_parts: int = 1) -> torch.Tensor:
     group, index = axis_group(backend, axis)
@@ -139,7 +170,9 @@ _KERNEL = {
     Collective.ALL_REDUCE: all_reduce,
     Collective.ALL_REDUCE_COALESCED: all_reduce_coalesced,
     Collective.ALL_GATHER: all_gather,
+    Collective.ALL_GATHER_COALESCED: all_gather_coalesced,
     Collective.REDUCE_SCATTER: reduce_scatter,
+    Collective.REDUCE_SCATTER_COALESCED: reduce_scatter_coalesced,
     Collective.ALL_TO_ALL: all_to_all,
     Collective.SHARD_SLICE: shard_slice,
     Collective.KEEP_FIRST: keep_first,

@@ -21,7 +21,9 @@ class Collective(enum.StrEnum):
     ALL_REDUCE = "all_reduce"  # P -> B
     ALL_REDUCE_COALESCED = "all_reduce_coalesced"  # a gradient bucket: one call for many tensors
     ALL_GATHER = "all_gather"  # S -> B
+    ALL_GATHER_COALESCED = "all_gather_coalesced"  # a bucket of updated ZeRO shards gathered in one call
     REDUCE_SCATTER = "reduce_scatter"  # P -> S
+    REDUCE_SCATTER_COALESCED = "reduce_scatter_coalesced"  # a bucket of ZeRO gradients: one call
     ALL_TO_ALL = "all_to_all"  # S(i) -> S(j)
     SHARD_SLICE = "shard_slice"  # B -> S, local
     KEEP_FIRST = "keep_first"  # B -> P, local
@@ -35,6 +37,11 @@ class Collective(enum.StrEnum):
         """Whether it communicates (the others stay on the device)."""
         return self not in (Collective.SHARD_SLICE, Collective.KEEP_FIRST)
 
+    @property
+    def single(self) -> Collective:
+        """The one-tensor kind a bucket fuses (itself for a one-tensor kind)."""
+        return _SINGLE.get(self, self)
+
     @classmethod
     def of(cls, op: str) -> Collective | None:
         """The kind of op name ``op`` (``"sbpc.all_gather"``), None for any other op."""
@@ -42,6 +49,9 @@ class Collective(enum.StrEnum):
 
 
 _BY_OP = {c.op: c for c in Collective}
+_SINGLE = {Collective.ALL_REDUCE_COALESCED: Collective.ALL_REDUCE, Collective.ALL_GATHER_COALESCED: Collective.ALL_GATHER,
+           Collective.REDUCE_SCATTER_COALESCED: Collective.REDUCE_SCATTER}
+COALESCED = {v: k for k, v in _SINGLE.items()}  # one-tensor kind -> its bucket kind
 
 
 class Precision(enum.StrEnum):

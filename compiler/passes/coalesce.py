@@ -1,12 +1,15 @@
-"""coalesce: fuse gradient all-reduces into buckets, one call each.
+"""coalesce: fuse gradient reductions (and ZeRO's gathers of updated shards) into buckets.
 
 Boxing reduces each partial gradient on its own where it is first needed: one blocking call
-per parameter. Here all-reduces of the backward and optimizer (same axis, reduction, dtype and
-stage) are cut, in program order, into buckets of at most ``bucket_bytes`` (25 MB, DDP's
-default); a bucket becomes one ``sbpc.all_reduce_coalesced`` placed where its last member
+per parameter. Here the reductions of the backward and optimizer -- all-reduces, and the
+reduce-scatters of ZeRO-2/3 gradients -- and the optimizer's all-gathers (ZeRO's updated
+shards gathered back into the parameter's layout) are grouped by kind, axis, reduction, dtype
+and stage, and cut in program order into buckets of at most ``bucket_bytes`` (25 MB, DDP's
+default); a bucket becomes one ``sbpc.<kind>_coalesced`` call placed where its last member
 was, and the ops that already used an earlier member's result (a transpose of a weight
 gradient, ...) move after it with everything that depends on them. Every tensor is still
-reduced exactly once; gradients live until their bucket is reduced, as in DDP.
+converted exactly once; gradients live until their bucket is reduced, as in DDP. The
+forward and backward gathers of ZeRO-3 parameters are left alone: each is needed right away.
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, Node, Role
 from sbpc.compiler.ir.mesh import MICROBATCH, Mesh
-from sbpc.runtime.kinds import Collective
+from sbpc.runtime.kinds import COALESCED, Collective
 from sbpc.runtime.sbp import Broadcast
 
-OP = Collective.ALL_REDUCE_COALESCED.op
+# what may share a bucket, and in which phases
+_FUSED = {Collective.ALL_REDUCE: (Role.BACKWARD, Role.OPTIMIZER), Collective.REDUCE_SCATTER: (Role.BACKWARD, Role.OPTIMIZER),
+          Collective.ALL_GATHER: (Role.OPTIMIZER,)}
 
 
 @dataclass
@@ -33,10 +38,11 @@ class Coalesce:
         nodes = list(graph.nodes)
         groups: dict[tuple, list[int]] = {}
         for i, n in enumerate(nodes):
-            if n.op == Collective.ALL_REDUCE.op and n.role in (Role.BACKWARD, Role.OPTIMIZER) and n.kwargs.get("axis") != MICROBATCH:
+            kind = Collective.of(n.op)
+            if kind in _FUSED and n.role in _FUSED[kind] and n.kwargs.get("axis") != MICROBATCH:
                 # a per-micro-batch reduction (an activation's gradient) never shares a bucket
                 # with a once-per-step one (an accumulated weight gradient)
-                key = (n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,
+                key = (kind, n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,
                        per_microbatch(graph.mesh, n))
                 groups.setdefault(key, []).append(i)
         # members by the value they reduce: fusing a bucket moves the nodes between its first and
@@ -44,7 +50,7 @@ class Coalesce:
         buckets = [[nodes[i].outputs[0] for i in b] for idxs in groups.values() for b in self._buckets(nodes, idxs)
                    if len(b) > 1]
         for bucket in buckets:
-            at = {o: i for i, n in enumerate(nodes) if n.op == Collective.ALL_REDUCE.op for o in n.outputs}
+            at = {o: i for i, n in enumerate(nodes) if Collective.of(n.op) in _FUSED for o in n.outputs}
             nodes = _fuse_bucket(nodes, sorted(at[o] for o in bucket))
         return replace(graph, nodes=nodes)
 
@@ -87,10 +93,14 @@ def _fuse_bucket(nodes: list[Node], bucket: list[int]) -> list[Node]:
 
 def _fuse(ns: list[Node]) -> Node:
     last = ns[-1]
-    return replace(last, outputs=[n.outputs[0] for n in ns], op=OP, args=([n.args[0] for n in ns],),
-                   types=[n.types[0] for n in ns], sbp=[n.sbp[0] for n in ns] if last.sbp else None,
+    kind = Collective.of(last.op)
+    kwargs = {k: v for k, v in last.kwargs.items() if k not in ("dim", "parts")}
+    if kind != Collective.ALL_REDUCE:  # each member's split
+        kwargs.update(dims=[n.kwargs["dim"] for n in ns], parts=[n.kwargs.get("parts", 1) for n in ns])
+    return replace(last, outputs=[n.outputs[0] for n in ns], op=COALESCED[kind].op, args=([n.args[0] for n in ns],),
+                   kwargs=kwargs, types=[n.types[0] for n in ns], sbp=[n.sbp[0] for n in ns] if last.sbp else None,
                    sbp_in=[n.sbp_in[0] for n in ns] if last.sbp_in else None,
-                   why=f"{len(ns)} all-reduces of the backward fused into one call")
+                   why=f"{len(ns)} {kind.value}s of the {last.role.value} phase fused into one call")
 
 
 def per_microbatch(mesh: Mesh, n: Node) -> bool:

@@ -30,7 +30,7 @@ from sbpc.compiler.frontend.hints import Hint
 from sbpc.compiler.ir.types import FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, rename_uses
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.mesh import MICROBATCH
-from sbpc.runtime.sbp import Partial, Split
+from sbpc.runtime.sbp import Broadcast, Partial, Sbp, Split
 
 AXIS = "dp"
 
@@ -71,11 +71,11 @@ class _Rewrite:
         taken = {s.dim for _, s in axes if isinstance(s, Split)}
         return zero_dim(p.type.shape, taken, self.dp)
 
-    def _hint(self, value: str, out: str, t, role: Role, loc, d: int, per_microbatch: bool = False) -> Node:
+    def _hint(self, value: str, out: str, t, role: Role, loc, dp: Sbp, per_microbatch: bool = False) -> Node:
         # a gradient stays partial over micro-batches where it is pinned: each micro-batch's
         # gradient is reduce-scattered, and the shards accumulate (never the whole gradient)
         mb = ((MICROBATCH, Partial()),) if per_microbatch and self.g.mesh.microbatches > 1 else ()
-        spec = Hint(mb + ((AXIS, Split(d)),), self.source).spec()
+        spec = Hint(mb + ((AXIS, dp),), self.source).spec()
         return Node([out], HINT_OP, (Ref(value), spec, self.source), {}, [t], role, loc=loc)
 
     def run(self) -> Graph:
@@ -86,6 +86,7 @@ class _Rewrite:
         front: list[Node] = []  # hints on inputs, first in the graph
         renames: dict[str, str] = {}
         nodes = list(g.nodes)
+        gather: dict[str, Node] = {}  # a parameter's shard -> the hint that gathers it for the model
         if self.stage >= 3:
             for name, p in params.items():
                 d = dims[name]
@@ -96,24 +97,39 @@ class _Rewrite:
                     base = hint_of(old)
                     spec = Hint(base.axes + ((AXIS, Split(d)),), base.source).spec()
                     nodes = [replace(n, args=(n.args[0], spec, n.args[2])) if n is old else n for n in nodes]
+                    shard = old.outputs[0]
                 else:
-                    h = self.fresh(f"{p.value}_zero")
-                    front.append(self._hint(p.value, h, p.type, Role.FORWARD, first_loc.get(p.value), d))
-                    renames[p.value] = h
+                    shard = self.fresh(f"{p.value}_zero")
+                    front.append(self._hint(p.value, shard, p.type, Role.FORWARD, first_loc.get(p.value), Split(d)))
+                    renames[p.value] = shard
+                # the model reads the weight whole (gathered), as ZeRO-3 does; without this pin
+                # the search may instead split the matmuls over dp (tensor parallelism on dp)
+                # and gather activations, which saves no activation memory
+                gather[shard] = self._hint(shard, self.fresh(f"{p.value}_gathered"), p.type, Role.FORWARD,
+                                           first_loc.get(p.value), Broadcast())
         for s in g.inputs_of(InputKind.STATE):
             p = params.get(s.state_of)
             d = dims.get(s.state_of)
             if p is None or d is None or s.type.shape != p.type.shape:
                 continue
             h = self.fresh(f"{s.value}_zero")
-            front.append(self._hint(s.value, h, s.type, Role.OPTIMIZER, first_loc.get(s.value), d))
+            front.append(self._hint(s.value, h, s.type, Role.OPTIMIZER, first_loc.get(s.value), Split(d)))
             renames[s.value] = h
         nodes = front + [rename_uses(n, lambda v: renames.get(v, v)) for n in nodes]
+        if gather:
+            whole = {v: h.outputs[0] for v, h in gather.items()}
+            out = []
+            for n in nodes:
+                if n.role != Role.OPTIMIZER and not any(n is h for h in gather.values()):
+                    n = rename_uses(n, lambda v: whole.get(v, v))
+                out.append(n)
+                out.extend(gather[o] for o in n.outputs if o in gather)
+            nodes = out
         outputs = list(g.outputs)
         if self.stage >= 2:
             nodes, outputs = self._pin_gradients(nodes, outputs, params, dims)
         if self.stage >= 3:
-            nodes = _recompute_param_values(nodes, {p.value for p in params.values()} | set(renames.values()), self.fresh)
+            nodes = _recompute_param_values(nodes, {p.value for p in params.values()}, self.fresh)
         return replace(g, nodes=nodes, outputs=outputs)
 
     def _first_locs(self):
@@ -136,7 +152,7 @@ class _Rewrite:
             for o, t in zip(n.outputs, n.types):
                 if o in grads and o not in pinned:
                     pinned[o] = self.fresh(f"{o}_zero")
-                    out.append(self._hint(o, pinned[o], t, Role.BACKWARD, n.loc, dims[grads[o]], per_microbatch=True))
+                    out.append(self._hint(o, pinned[o], t, Role.BACKWARD, n.loc, Split(dims[grads[o]]), per_microbatch=True))
         outputs = [replace(o, value=pinned.get(o.value, o.value)) if o.kind == OutputKind.GRAD else o for o in outputs]
         return out, outputs
 

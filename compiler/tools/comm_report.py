@@ -41,9 +41,9 @@ def collectives(plan: P.Plan) -> list[Collective]:
     sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
     out = []
     for call, ins in enumerate(i for st in plan.stages for i in st.instructions):
-        kind = _kind(ins.op)
-        if kind == Kind.ALL_REDUCE_COALESCED:  # a bucket: one call, counted per tensor
-            kind, values = Kind.ALL_REDUCE.value, [a.ref for a in ins.args[0]]
+        kind, bucket = _kind(ins.op), Kind.of(ins.op)
+        if bucket is not None and bucket.single != bucket:  # a bucket: one call, counted per tensor
+            kind, values = bucket.single.value, [a.ref for a in ins.args[0]]
         elif kind is not None:
             values = [ins.args[0].ref]
         else:
@@ -122,7 +122,8 @@ def _consumers(plan: P.Plan, value: str) -> list[str]:
     for st in plan.stages:
         for ins in st.instructions:
             refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
-            if value in refs and _kind(ins.op) not in (None, Kind.ALL_REDUCE_COALESCED):
+            kind = Kind.of(ins.op)
+            if value in refs and kind is not None and kind.single == kind:
                 lines.append(f"  boxed by {ins.op}(axis={ins.kwargs.get('axis')}) -> %{ins.outs[0]} "
                              f"[{', '.join(ins.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
     return lines
