@@ -40,7 +40,7 @@ class Zero:
     name: str = "zero"
     needs: ClassVar[tuple[Fact, ...]] = ()
     provides: ClassVar[tuple[Fact, ...]] = ()
-    stage: int = 0
+    stage: int = 3  # the driver passes --zero; on its own (sbpc opt, golden tests) the whole of ZeRO
 
     def apply(self, graph: Graph, ctx) -> Graph:
         dp = graph.mesh.size(AXIS)
@@ -158,9 +158,9 @@ class _Rewrite:
 
 
 def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNames) -> list[Node]:
-    """Backward and optimizer readers of a forward value computed from parameters alone read a
-    copy computed where they are (in their own phase), so the forward's value, and the
-    gathered weight it may hold, die with the forward."""
+    """Backward readers of a forward value computed from parameters alone read a copy computed
+    in the backward, so the forward's value, and the gathered weight it may hold, die with the
+    forward. (The optimizer reads the shards, never the gathered weight.)"""
     derived: set[str] = set(params)
     fwd_producer: dict[str, Node] = {}
     for n in nodes:
@@ -184,7 +184,7 @@ def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNam
         return copies[(v, role)]
 
     for n in nodes:
-        if n.role in (Role.BACKWARD, Role.OPTIMIZER):
+        if n.role == Role.BACKWARD:
             n = rename_uses(n, lambda u: copy(u, n.role) if u in fwd_producer else u)
         out.append(n)
     return out
