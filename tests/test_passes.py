@@ -80,10 +80,10 @@ def test_print_after_and_dump_dir(tmp_path):
     assert re.findall(r"// ----- IR after (\S+) -----", log.getvalue()) == ["dce"]
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
-                     "05-stage-partition.sbpir", "06-sbp-propagate.sbpir", "07-boxing.sbpir", "08-coalesce.sbpir",
-                     "09-recompute.sbpir", "10-localize.sbpir", "11-random-draws.sbpir", "12-schedule.sbpir",
-                     "13-memory-plan.sbpir"]
-    assert "stage=0" in (tmp_path / "05-stage-partition.sbpir").read_text()
+                     "05-zero.sbpir", "06-stage-partition.sbpir", "07-sbp-propagate.sbpir", "08-boxing.sbpir",
+                     "09-coalesce.sbpir", "10-recompute.sbpir", "11-localize.sbpir", "12-random-draws.sbpir",
+                     "13-schedule.sbpir", "14-memory-plan.sbpir"]
+    assert "stage=0" in (tmp_path / "06-stage-partition.sbpir").read_text()
 
 
 def test_print_after_unknown_pass():

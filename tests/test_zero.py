@@ -84,7 +84,7 @@ def test_zero2_one_reduce_scatter_and_one_all_gather_per_bucket(captured):
     assert len({c.call for c in rs}) == 1 and len({c.call for c in ag}) == 1
     # smaller buckets: as many calls of each, every call within the bucket size (or one tensor)
     small = [replace(p, bucket_bytes=2**20) if isinstance(p, Coalesce) else p
-             for p in default_pipeline(memory=MemoryOptions(zero=2))]
+             for p in default_pipeline(zero=2)]
     cs = [c for c in collectives(_plan(captured, "2x1", 2, passes=small)) if c.moves_data]
     for kind, role in (("reduce_scatter", "bwd"), ("all_gather", "opt")):
         calls = Counter()

@@ -28,7 +28,9 @@ from typing import ClassVar
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.frontend.hints import Hint
 from sbpc.compiler.ir.types import FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, rename_uses
+from sbpc.compiler.memory_options import ZERO_STAGES
 from sbpc.compiler.pass_manager import Fact
+from sbpc.errors import UsageError
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.runtime.sbp import Broadcast, Partial, Sbp, Split
 
@@ -40,7 +42,16 @@ class Zero:
     name: str = "zero"
     needs: ClassVar[tuple[Fact, ...]] = ()
     provides: ClassVar[tuple[Fact, ...]] = ()
-    stage: int = 3  # the driver passes --zero; on its own (sbpc opt, golden tests) the whole of ZeRO
+    stage: int = 0  # --zero
+
+    def __post_init__(self):
+        given = self.stage
+        try:  # options also come as text (`// RUN: zero(stage=3)` of the golden tests)
+            self.stage = int(given)
+        except (TypeError, ValueError):
+            self.stage = -1
+        if self.stage not in ZERO_STAGES:
+            raise UsageError(f"zero stage {given!r} is not one of 0, 1, 2, 3")
 
     def apply(self, graph: Graph, ctx) -> Graph:
         dp = graph.mesh.size(AXIS)
