@@ -122,3 +122,29 @@ def test_a_value_reading_random_op_in_a_pipeline_is_named():
                       optimizer=OptimizerConfig())
     assert err.value.message.startswith("aten.bernoulli.default draws random numbers from its inputs' values")
     assert "tests/models/random_probs.py:14" in str(err.value.location)
+
+
+def test_a_value_reading_random_op_is_named_in_a_warning(capsys):
+    from sbpc.cli import main
+
+    assert main(["compile", "tests/models/random_probs.py", "--mesh", "2", "-o", "/dev/null"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: aten.bernoulli.default (first at tests/models/random_probs.py:14) draws random numbers" in err
+
+
+def test_a_fused_attention_with_dropout_in_a_pipeline_is_named():
+    """CPU capture decomposes sdpa with dropout (bmm, softmax, bernoulli.p mask), so this only
+    arises from a hand-written graph; the fused kernel draws inside, which no replay can redo."""
+    from sbpc.compiler.ir.parser import parse_graph
+    from sbpc.compiler.passes import RandomDraws
+    from sbpc.errors import CompileError
+
+    g = parse_graph("""graph @a mesh<pp=2, mb=2> {
+  input batch %q : f32[2, 2, 4, 8] "batch.0" {sbp=[B]}
+  %o, %lse = sbpc.attention(%q, %q, %q, 0.1, False, attn_mask=None, scale=None) : (f32[2, 2, 4, 8], f32[2, 2, 4]) {role=fwd, loc="attn" @ "m.py":7}
+  %l = aten.sum.default(%o) : f32[] {role=fwd}
+  output loss %l "loss"
+}""")
+    with pytest.raises(CompileError) as err:
+        RandomDraws().apply(g, None)
+    assert err.value.message.startswith("sbpc.attention draws random numbers") and "m.py:7" in str(err.value.location)

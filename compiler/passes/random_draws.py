@@ -14,22 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from sbpc.compiler.ir.aten import is_random
 from sbpc.compiler.ir.types import Graph, Node
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.sbp.rules.random_ops import shape_only
+from sbpc.compiler.sbp.rules.random_ops import draws_randomly, reads_values
 from sbpc.errors import CompileError
 from sbpc.runtime.rng import RANDOM_SHARD
-
-_FUSED_DROPOUT = {"sbpc.attention": 3, "sbpc.attention_backward": 6}  # op -> position of dropout_p
-
-
-def draws_randomly(n: Node) -> bool:
-    """A random op, or a fused attention that draws its dropout mask inside the kernel."""
-    if n.op in _FUSED_DROPOUT:
-        pos = _FUSED_DROPOUT[n.op]
-        return len(n.args) > pos and bool(n.args[pos])
-    return is_random(n.op)
 
 
 @dataclass
@@ -54,7 +43,7 @@ class RandomDraws:
 def _numbered(n: Node, k: int, axes: list[str]) -> Node:
     if n.op == RANDOM_SHARD:
         return replace(n, kwargs={**n.kwargs, "draw": k})
-    if n.op in _FUSED_DROPOUT or not shape_only(n.op):
+    if reads_values(n):
         raise CompileError(f"{n.op} draws random numbers from its inputs' values, so a pipeline cannot give it "
                            "eager's random stream", location=str(n.loc) if n.loc else None,
                            hint="use --microbatches 1 on a mesh without pp, or draw the mask from shapes alone "

@@ -28,6 +28,7 @@ from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses, layer_classes
 from sbpc.compiler.sbp.layout import Layouts
 from sbpc.compiler.sbp.rules import RuleBook
+from sbpc.compiler.sbp.rules.random_ops import reads_values
 from sbpc.compiler.sbp.solver import Solver
 from sbpc.compiler.sbp.state import GraphIndex
 from sbpc.runtime.sbp import Broadcast, Split
@@ -125,3 +126,9 @@ def _warn_unruled(graph: Graph, rules: RuleBook, log) -> None:
             seen.add(n.op)
             where = f" (first at {n.loc})" if n.loc else ""
             print(f"sbpc: warning: no SBP rule for {n.op}{where}; it runs replicated (B) on every device", file=log)
+        elif reads_values(n) and n.op not in seen:
+            seen.add(n.op)
+            where = f" (first at {n.loc})" if n.loc else ""
+            print(f"sbpc: warning: {n.op}{where} draws random numbers from its inputs' values, so it runs replicated "
+                  "(B) on every device, its inputs gathered; a mask drawn from shapes alone (nn.Dropout, "
+                  "torch.rand_like(x) < p) splits", file=log)

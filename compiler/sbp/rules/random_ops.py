@@ -27,6 +27,25 @@ def shape_only(op: str) -> bool:
     return packet in SHAPE_ONLY or f"{packet}.{overload}" in SHAPE_ONLY or f"{packet}.{overload}" in FACTORIES
 
 
+_FUSED_DROPOUT = {"sbpc.attention": 3, "sbpc.attention_backward": 6}  # op -> position of dropout_p
+
+
+def draws_randomly(n) -> bool:
+    """A random op, or a fused attention that draws its dropout mask inside the kernel."""
+    from sbpc.compiler.ir.aten import is_random
+
+    if n.op in _FUSED_DROPOUT:
+        pos = _FUSED_DROPOUT[n.op]
+        return len(n.args) > pos and bool(n.args[pos])
+    return is_random(n.op)
+
+
+def reads_values(n) -> bool:
+    """A random node whose draw depends on its inputs' values: it never splits, and a pipeline
+    cannot replay its draw from shapes alone."""
+    return draws_randomly(n) and n.op != RANDOM_SHARD and (n.op in _FUSED_DROPOUT or not shape_only(n.op))
+
+
 def _random_loc(lc, *carriers):
     # the logical draw replaces the op; its carriers and size arguments stay as they are
     lc.op = RANDOM_SHARD
