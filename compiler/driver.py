@@ -16,8 +16,8 @@ from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.compiler.memory.estimate import fits
 from sbpc.errors import CompileError, UsageError
-from sbpc.runtime.kinds import Recompute
-from sbpc.runtime.plan import ModelRef, Plan
+from sbpc.runtime.kinds import Precision, Recompute
+from sbpc.runtime.plan import LossScaling, ModelRef, Plan, PrecisionSpec
 
 
 @dataclass
@@ -36,7 +36,7 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
     _manager(passes, ctx or CompileContext(), pipeline,
              replace(memory, recompute=Recompute.NONE) if memory.recompute == Recompute.AUTO else memory)
     t0 = time.perf_counter()
-    graph = capture(source, mesh, batch_size, optimizer, config)
+    graph = capture(source, mesh, batch_size, optimizer, config, precision_spec(memory.precision))
     result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
                               pipeline=pipeline, memory=memory)
     result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
@@ -50,7 +50,7 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
                      memory: MemoryOptions = MemoryOptions()) -> CompileResult:
     """The passes and lowering of a captured graph. A graph captured without stage hints
     serves every mesh of one batch size (``replace(graph, mesh=...)``): the fuzz test
-    captures once and compiles on many meshes."""
+    captures once and compiles on many meshes. ``memory.precision`` is the one it was captured in."""
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
     if memory.recompute == Recompute.AUTO:
@@ -58,7 +58,7 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     graph = _manager(passes, ctx, pipeline, memory).run(graph)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
-    plan = lower(graph, model, optimizer, ctx.estimates)
+    plan = lower(graph, model, optimizer, ctx.estimates, precision_spec(memory.precision))
     timings["total"] = time.perf_counter() - t0
     return CompileResult(plan=plan, graph=graph, timings=timings)
 
@@ -101,7 +101,7 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
 def _refuse_unbuilt(memory: MemoryOptions) -> None:
     """The memory options whose passes are not built yet are refused, never ignored."""
     default = MemoryOptions()
-    for key, flag in (("recompute", "--recompute"), ("precision", "--precision"),
+    for key, flag in (("recompute", "--recompute"),
                       ("offload", "--offload"), ("device_memory", "--device-memory")):
         value = getattr(memory, key)
         if key == "recompute" or (key == "device_memory" and memory.recompute == Recompute.AUTO):
@@ -109,3 +109,8 @@ def _refuse_unbuilt(memory: MemoryOptions) -> None:
         if value != getattr(default, key):
             raise UsageError(f"{flag} {value} is not implemented yet", hint="see the open memory issue (ZeRO, recompute, "
                              "mixed precision, offload, memory budget)")
+
+
+def precision_spec(precision: Precision) -> PrecisionSpec:
+    """The plan's precision: fp16 scales the loss dynamically (torch.amp.GradScaler's defaults)."""
+    return PrecisionSpec(compute=precision, loss_scaling=LossScaling() if precision == Precision.FP16 else None)

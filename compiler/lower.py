@@ -10,6 +10,7 @@ import math
 from sbpc import __version__
 from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
 from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.frontend.loss_scale import LOSS_SCALE
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.passes.memory_plan import last_uses
@@ -19,7 +20,8 @@ from sbpc.runtime.sbp import local_shape
 NEEDS = (Fact.ESTIMATES,)  # what the passes before lowering must provide (pass_manager)
 
 
-def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates: dict[str, int]) -> P.Plan:
+def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates: dict[str, int],
+          precision: P.PrecisionSpec = P.PrecisionSpec()) -> P.Plan:
     dies = last_uses(graph)
     # the micro-batch axis is the compiler's: plan SBPs name device axes only, and a batch
     # input says separately how micro-batches split it
@@ -46,7 +48,8 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         stages=programs,
         params=[P.ParamSpec(**spec(i), grad=grad[i.name], update=update[i.name]) for i in graph.inputs_of(InputKind.PARAM)],
         buffers=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BUFFER)],
-        states=[P.StateSpec(**spec(i), update=update[i.name]) for i in graph.inputs_of(InputKind.STATE)],
+        states=[P.StateSpec(**spec(i), update=update[i.name], init="loss_scale" if i.name == LOSS_SCALE else "zeros")
+                for i in graph.inputs_of(InputKind.STATE)],
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
         init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
@@ -54,6 +57,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
                                   weight_decay=optimizer.weight_decay, momentum=optimizer.momentum),
         estimates=P.Estimates(**estimates),
         pipeline=graph.schedule,
+        precision=precision,
     )
 
 

@@ -180,7 +180,7 @@ class PipelineRunner(Runner):
             self.params[name] = step_env[value]
         for s in plan.states:
             if s.name in self.states:
-                self.states[s.name] = step_env[s.update]
+                self.states[s.name] = step_env[s.update] if s.update in self._made_here else step_env[replicas[s.name]]
         loss = self._loss(step_env)
         grads = self._collect({p.name: (step_env.get(p.grad), self._value_sbp(self.types.get(p.grad), fallback=p))
                                for p in plan.params if p.grad in self._made_here}) if keep_grads else {}

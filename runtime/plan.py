@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sbpc.errors import PlanError
 from sbpc.runtime.files import write_atomic
-from sbpc.runtime.kinds import ScheduleName
+from sbpc.runtime.kinds import Precision, ScheduleName
 
 SCHEMA_VERSION = 2
 
@@ -100,7 +100,7 @@ class ParamSpec(TensorSpec):
 
 class StateSpec(TensorSpec):
     update: str
-    init: Literal["zeros"] = "zeros"
+    init: Literal["zeros", "loss_scale"] = "zeros"  # loss_scale: filled with precision.loss_scaling.init_scale
 
 
 class StageProgram(_Model):
@@ -183,6 +183,23 @@ class RoleMemory(_Model):
     optimizer_bytes: int  # and optimizer state
 
 
+class LossScaling(_Model):
+    """fp16's dynamic loss scaling, with torch.amp.GradScaler's defaults: the loss is multiplied
+    by the scale before the backward, the gradients unscaled; a step whose gradients hold an inf
+    or nan is skipped and the scale multiplied by ``backoff_factor``; after ``growth_interval``
+    steps without one it is multiplied by ``growth_factor``."""
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+class PrecisionSpec(_Model):
+    """The compute precision; parameters (master weights) and optimizer state are always fp32."""
+    compute: Precision = Precision.FP32
+    loss_scaling: LossScaling | None = None  # fp16 only
+
+
 class Estimates(_Model):
     param_count: int
     param_bytes: int
@@ -207,6 +224,7 @@ class Plan(_Model):
     optimizer: OptimizerSpec
     estimates: Estimates
     pipeline: PipelineSpec | None = None  # None: one stage, one micro-batch
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
 
     @property
     def world_size(self) -> int:

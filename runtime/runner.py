@@ -99,8 +99,10 @@ class Runner:
         self.params = {p.name: self._shard(tensors.pop(p.name), p).to(dev) for p in self.plan.params if p.name in params}
         self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in self.plan.buffers if b.name in buffers}
         del tensors
-        self.states = {s.name: torch.zeros(local_shape(s.shape, self.spec_sbp[s.name], self.sizes),
-                                           dtype=getattr(torch, s.dtype), device=dev)
+        scaling = self.plan.precision.loss_scaling
+        fill = lambda s: scaling.init_scale if s.init == "loss_scale" and scaling is not None else 0
+        self.states = {s.name: torch.full(local_shape(s.shape, self.spec_sbp[s.name], self.sizes), fill(s),
+                                          dtype=getattr(torch, s.dtype), device=dev)
                        for s in self.plan.states if s.name in states}
 
     def _nd(self, sbp: list[str]) -> NdSbp:

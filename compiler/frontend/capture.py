@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
+from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -31,14 +32,20 @@ from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
+from sbpc.runtime.kinds import Precision
 from sbpc.runtime.model_file import model_name
+from sbpc.runtime.plan import PrecisionSpec
+from sbpc.runtime.precision import autocast
 from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
 def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
-            config: ParallelConfig | None = None) -> Graph:
+            config: ParallelConfig | None = None, precision: PrecisionSpec = PrecisionSpec()) -> Graph:
     """The joint graph of ``source``. Hints (``sbpc.shard`` calls and ``config``) become
-    ``sbpc.hint`` ops: on parameters right after the inputs, on activations where they occur."""
+    ``sbpc.hint`` ops: on parameters right after the inputs, on activations where they occur.
+    Under bf16 or fp16 the forward is traced inside ``torch.autocast``, so the graph holds
+    torch's own casts (``_to_copy``) around the ops autocast lowers or keeps in fp32; the
+    parameters stay fp32 inputs and their gradients fp32 outputs (docs/precision.md)."""
     config = config or ParallelConfig()
     hints = HintRecorder()
     token = ACTIVE.set(hints)
@@ -55,15 +62,17 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
             param_hints = config.param_hints([n for n, _ in params])
             param_hints.update({n: hints.params[id(p)] for n, p in params if id(p) in hints.params})
             with _module_output_hints(model, config):
-                gm = _trace_joint(model, source, params, buffers, batch)
+                scale = [torch.empty((), dtype=torch.float32)] if precision.loss_scaling else []
+                gm = _trace_joint(model, source, params, buffers, batch, precision.compute, scale)
             init_nodes, init_outputs = recorder.to_init_region(params + buffers)
     finally:
         ACTIVE.reset(token)
     entries = [(InputKind.PARAM, n, p) for n, p in params] + [(InputKind.BUFFER, n, b) for n, b in buffers]
     entries += [(InputKind.BATCH, f"batch.{i}", b) for i, b in enumerate(batch)]
-    imported = import_fx(gm, [value_name(n) for _, n, _ in entries])
+    imported = import_fx(gm, [value_name(n) for _, n, _ in entries] + [loss_scale.scale_input().value] * len(scale))
     names = imported.names
     inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
+    inputs += [loss_scale.scale_input()] * len(scale)
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
         imported.nodes = _stage_hints(gm, imported.nodes, config)
     nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
@@ -80,11 +89,18 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
             raise ModelError(f"parameter {fqn!r} does not receive a gradient from the loss",
                              hint="remove it, or freeze it with requires_grad_(False)")
         outputs.append(GraphOutput(OutputKind.GRAD, value(g), fqn))
+    found = None
+    if precision.loss_scaling:  # the optimizer reads, and the step returns, unscaled gradients
+        types = {v: t for n in nodes for v, t in zip(n.outputs, n.types)}
+        found, unscaled = loss_scale.append_unscale([(o.value, types[o.value]) for o in outputs[1:]], nodes)
+        outputs[1:] = [replace(o, value=v) for o, v in zip(outputs[1:], unscaled)]
     grad_of = {o.name: o.value for o in outputs if o.kind == OutputKind.GRAD}
     made_at = {v: init_nodes[i].loc for v, i in producers(init_nodes).items()}
     created = {o.name: made_at.get(o.value) for o in init_outputs}
     plist = [(i.name, i.value, i.type, grad_of[i.name], created.get(i.name)) for i in inputs if i.kind == InputKind.PARAM]
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
+    if found is not None:
+        loss_scale.append_skip(precision.loss_scaling, found, inputs, nodes, outputs)
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
@@ -158,25 +174,30 @@ def _build(source: ModelSource) -> torch.nn.Module:
     return model.train()
 
 
-def _trace_joint(model, source: ModelSource, params, buffers, batch) -> torch.fx.GraphModule:
+def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: Precision,
+                 scale: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """``scale``: fp16's loss scale (one 0-d tensor) or nothing; the gradients are those of
+    ``loss * scale``, as after ``GradScaler.scale(loss).backward()``."""
     names = [n for n, _ in params] + [n for n, _ in buffers]
     forward_loc = _forward_location(model)
 
-    def joint(param_vals, buffer_vals, batch_vals):
+    def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
-        loss = torch.func.functional_call(model, state, tuple(batch_vals))
+        with autocast(precision):
+            loss = torch.func.functional_call(model, state, tuple(batch_vals))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=forward_loc,
                              hint="reduce the loss to a 0-dim tensor, e.g. with .mean()")
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
         setup_stacktrace_preservation_hooks([loss.grad_fn])
-        return [loss, *torch.autograd.grad(loss, list(param_vals), allow_unused=True)]
+        seed = loss * scale_vals[0] if scale_vals else loss
+        return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
     with _module_paths(model), fx_traceback.preserve_node_meta():
         try:
             return make_fx(joint, tracing_mode="real", record_stack_traces=True)(
-                [p for _, p in params], [b for _, b in buffers], list(batch))
+                [p for _, p in params], [b for _, b in buffers], list(batch), scale)
         except SbpcError:
             raise
         except Exception as err:

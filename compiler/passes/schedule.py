@@ -330,12 +330,13 @@ class _Cutter:
 
     # ----- tied parameters
     def _replica_updates(self, nodes: list[Node], outputs) -> tuple[list[Node], list]:
-        """A param read on chunks other than the one that updates it receives the new value."""
+        """A param (or a state: fp16's loss scale) read on chunks other than the one that updates
+        it receives the new value."""
         updates = {o.name: o.value for o in outputs if o.kind == OutputKind.UPDATE}
         made_on = {v: nodes[i] for v, i in producers(nodes).items()}
         readers_of = {v: {nodes[i].stage or 0 for i in ix} for v, ix in users(nodes).items()}
         extra = []
-        for p in self.g.inputs_of(InputKind.PARAM):
+        for p in [*self.g.inputs_of(InputKind.PARAM), *self.g.inputs_of(InputKind.STATE)]:
             readers = sorted(readers_of.get(p.value, ()))
             new = updates.get(p.name)
             if new not in made_on:
@@ -348,7 +349,8 @@ class _Cutter:
                 extra.append(Node([name], TRANSFER, (Ref(new),), {"src": owner, "dst": c}, [p.type], Role.OPTIMIZER,
                                   loc=made_on[new].loc, stage=c, sbp=[p.sbp] if p.sbp else None,
                                   sbp_in=[p.sbp] if p.sbp else None,
-                                  why=f"tied parameter {p.name}: the new value from its owner, chunk {owner}"))
+                                  why=f"{p.kind.value} {p.name} read on several chunks: the new value from its "
+                                      f"owner, chunk {owner}"))
         return nodes + extra, outputs
 
 

@@ -41,7 +41,10 @@ from torch.utils._pytree import tree_map
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
-from sbpc.runtime.plan import Plan
+from sbpc.runtime.kinds import Precision
+from sbpc.runtime.plan import Plan, PrecisionSpec
+from sbpc.runtime.precision import autocast, unit_roundoff
+from sbpc.compiler.tools.check_amp import LossScaler
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
 # A gradient is compared on its own scale unless that is below 1e-3 of the step's largest
@@ -104,6 +107,8 @@ class CheckReport:
     tolerance: float = 1e-5
     free: FreeRunning | None = None
     notes: list[str] = field(default_factory=list)  # how the verdict was reached, where it differs
+    skipped_steps: int = 0  # fp16: steps whose gradients overflowed, skipped by plan and eager alike
+    loss_scale: float | None = None  # fp16: the plan's scale after the last step
 
     @property
     def worst(self) -> tuple[float, str]:
@@ -128,6 +133,9 @@ class CheckReport:
                          f"{r.grads.value:12.2e}  {r.update.value:14.2e}  {worst.tensor}")
         if self.free is not None:
             lines.append(self.free.table())
+        if self.loss_scale is not None:
+            lines.append(f"fp16 loss scaling: {self.skipped_steps} of {len(self.rows) - 1} steps skipped "
+                         f"(gradients overflowed), plan and eager alike; scale now {self.loss_scale:g}")
         lines += [f"note: {n}" for n in self.notes]
         value, where = self.worst
         verdict = "PASS" if self.passed else "FAIL"
@@ -172,18 +180,23 @@ def update_scale(eager: torch.Tensor, before: torch.Tensor) -> float:
 
 
 class Eager:
-    """The eager model and its torch.optim optimizer, put in a given state before each step."""
+    """The eager model and its torch.optim optimizer, put in a given state before each step. Under
+    bf16 or fp16 the forward runs in torch.autocast, and fp16 scales the loss with a
+    torch.amp.GradScaler in the plan's scale (docs/precision.md)."""
 
-    def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int):
+    def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int,
+                 precision: PrecisionSpec = PrecisionSpec()):
         torch.manual_seed(seed)
         self.model = source.build().train()
         self.named = dict(self.model.named_parameters())
         self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.kind = optimizer.kind
+        self.precision = precision
+        self.scaler = LossScaler(precision.loss_scaling) if precision.loss_scaling else None
 
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
-        return _forward_backward(self.model, batch, seed)
+        return _forward_backward(self.model, batch, seed, self.precision.compute, self.scaler, self.opt)
 
     def rounding_noise(self, batch, seed: int, loss: torch.Tensor) -> tuple[dict[str, float], str | None]:
         """Eager's own float32 error of each gradient just computed: max|float32 - float64|, from a
@@ -194,14 +207,18 @@ class Eager:
             loss64 = _forward_backward(twin, tree_map(_to_double, batch), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
-        if abs(float(loss64) - float(loss)) > SAME_FUNCTION * max(abs(float(loss64)), 1e-12):
-            return {}, f"no float64 reference (its loss {float(loss64):.8g} is not float32's {float(loss):.8g})"
+        same = SAME_FUNCTION * unit_roundoff(self.precision.compute) / unit_roundoff(Precision.FP32)
+        if abs(float(loss64) - float(loss)) > same * max(abs(float(loss64)), 1e-12):
+            return {}, f"no float64 reference (its loss {float(loss64):.8g} is not {self.precision.compute}'s {float(loss):.8g})"
         twins = dict(twin.named_parameters())
         return {name: deviation(p.grad, twins[name].grad, 1.0) for name, p in self.named.items()
                 if p.grad is not None and twins[name].grad is not None}, None
 
     def load(self, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
-        """Parameters and optimizer state from the plan's logical tensors (``exp_avg:<fqn>``, ``step``)."""
+        """Parameters and optimizer state from the plan's logical tensors (``exp_avg:<fqn>``, ``step``,
+        fp16's scale state)."""
+        if self.scaler is not None:
+            self.scaler.load(states)
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
@@ -221,11 +238,20 @@ class Eager:
         return ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("momentum_buffer",)
 
 
-def _forward_backward(model: torch.nn.Module, batch, seed: int) -> torch.Tensor:
+def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Precision = Precision.FP32,
+                      scaler: LossScaler | None = None, opt=None) -> torch.Tensor:
     torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
-    loss = model(*batch)
-    loss.backward()
+    with autocast(precision):
+        loss = model(*batch)
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.backward(loss, opt)
     return loss.detach()
+
+
+def _finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _to_double(x):
@@ -246,7 +272,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             runner.logical_params(), runner.logical_states(), runner.replica_spread()
         return None
     report = CheckReport(tolerance=tolerance)
-    eager = Eager(source, optimizer, seed)
+    eager = Eager(source, optimizer, seed, plan.precision)
     eager_state = dict(eager.named) | dict(eager.model.named_buffers())
     init = Deviation()
     for name, t in weights.items():
@@ -257,7 +283,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             eager_state[name].copy_(t)
     free = None
     if free_running:
-        free, report.free = Eager(source, optimizer, seed), FreeRunning()
+        free, report.free = Eager(source, optimizer, seed, plan.precision), FreeRunning()
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
@@ -270,19 +296,32 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         row.loss_eager = float(loss)
         row.loss.update("loss", deviation(torch.tensor(result.loss), loss, max(abs(float(loss)), 1e-12)))
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
-        noise, why = eager.rounding_noise(batch, step_seed(seed, step), loss)
-        if why and why not in report.notes:
-            report.notes.append(why + ": gradients judged on their scale and the floor alone")
-        for name, dev in grad_deviations(result.grads, refs, noise).items():
-            row.grads.update(name, dev)
+        if _finite(refs.values()):
+            noise, why = eager.rounding_noise(batch, step_seed(seed, step), loss)
+            if why and why not in report.notes:
+                report.notes.append(why + ": gradients judged on their scale and the floor alone")
+            for name, dev in grad_deviations(result.grads, refs, noise).items():
+                row.grads.update(name, dev)
+        else:  # fp16 overflowed in eager: the plan's gradients must overflow too, and the step be skipped
+            report.notes.append(f"step {step}: eager's scaled gradients overflow; the plan's must too")
+            row.grads.update("overflow (the plan's gradients are finite)", 0.0 if not _finite(result.grads.values())
+                             else float("inf"))
         for name in sorted({n for n, p in eager.named.items() if p.grad is not None} - set(result.grads)):
             row.grads.update(f"{name} (the plan returned none)", float("inf"))
         for name in sorted(set(params) - set(new_params)):
             row.update.update(f"{name} (the plan returned none)", float("inf"))
         # the update from the plan's gradients and state S_t (backward changed neither)
-        for name, p in eager.named.items():
-            p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
-        eager.opt.step()
+        skipped = False
+        if eager.scaler is None:
+            for name, p in eager.named.items():
+                p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
+            eager.opt.step()
+        else:
+            skipped, scale_state = eager.scaler.step(eager.opt, eager.named, result.grads)
+            for sname, sref in scale_state.items():
+                row.update.update(sname, deviation(new_states[sname], sref, max(amax(sref), 1e-30)))
+            if skipped:
+                report.skipped_steps += 1
         for name, new in new_params.items():
             ref = eager.named[name].detach()
             row.update.update(name, update_deviation(new, ref, params[name]))
@@ -293,8 +332,10 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
                     row.update.update(f"{sname} across ranks", spreads.get(sname, 0.0) / max(amax(sref), 1e-30))
         step_name = str(StateName("step"))
         if step_name in new_states:
-            row.update.update(step_name, deviation(new_states[step_name], states[step_name] + 1, 1.0))
+            row.update.update(step_name, deviation(new_states[step_name], states[step_name] + (0 if skipped else 1), 1.0))
         params, states = new_params, new_states
+        if "loss_scale" in states:
+            report.loss_scale = float(states["loss_scale"])
         if free is not None:
             report.free.losses_plan.append(result.loss)
             report.free.losses_eager.append(float(free.forward_backward(batch, step_seed(seed, step))))

@@ -1,0 +1,28 @@
+"""Mixed precision, shared by the compiler (capture under autocast) and `sbpc check` (eager under
+autocast): one autocast context per ``Precision``, and the dynamic loss scaling of fp16.
+
+Low precision comes from ``torch.autocast`` itself, so the casts follow torch's policy op by op
+(docs/precision.md); what autocast does not do, fp16's loss scaling, follows
+``torch.amp.GradScaler`` to the operation."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sbpc.runtime.kinds import Precision
+
+COMPUTE_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def autocast(precision: Precision):
+    """The context the forward runs in: torch.autocast on CPU for bf16 and fp16. The CPU policy
+    is the one traced, whatever device runs the plan (the casts are ops of the plan)."""
+    if precision == Precision.FP32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=COMPUTE_DTYPE[precision])
+
+
+def unit_roundoff(precision: Precision) -> float:
+    """u = eps / 2 of the compute dtype: 2**-24 (fp32), 2**-8 (bf16), 2**-11 (fp16)."""
+    return torch.finfo(COMPUTE_DTYPE[precision]).eps / 2
