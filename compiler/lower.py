@@ -10,7 +10,7 @@ import math
 from sbpc import __version__
 from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
 from sbpc.compiler.ir.mesh import MICROBATCH
-from sbpc.compiler.frontend.loss_scale import LOSS_SCALE
+from sbpc.runtime.precision import LOSS_SCALE
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.passes.memory_plan import last_uses

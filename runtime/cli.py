@@ -78,6 +78,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     import torch
 
     from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.precision import LOSS_SCALE, SKIPPED_STEPS
     from sbpc.runtime.runner import BatchSource, make_runner, step_seed
     from sbpc.runtime.weights import load_weights, save_weights
 
@@ -99,6 +100,13 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     elapsed = time.perf_counter() - start
     if args.steps and out is not None:
         print(f"{args.steps} steps in {elapsed:.2f}s ({args.steps / elapsed:.2f} steps/s)", file=out, flush=True)
+    skipped = None
+    if plan.precision.loss_scaling is not None:  # fp16: the scaler's states, whole on every rank
+        states = runner.logical_states()  # a collective: every rank takes part
+        skipped = int(states[SKIPPED_STEPS])
+        if out is not None:
+            print(f"fp16 loss scaling: {skipped} of {runner.steps} steps skipped (gradients overflowed); "
+                  f"loss scale {float(states[LOSS_SCALE]):g}", file=out, flush=True)
     if getattr(args, "trace", None):
         _write_trace(args.trace, runner, backend, out)
     if args.save:
@@ -107,7 +115,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
             save_weights(state, args.save)
             if out is not None:
                 print(f"saved weights to {args.save}", file=out, flush=True)
-    return {"losses": losses, "seconds": elapsed}
+    return {"losses": losses, "seconds": elapsed, "skipped_steps": skipped}
 
 
 def _write_trace(path: str, runner, backend, out) -> None:

@@ -12,6 +12,8 @@ import torch
 
 from sbpc.runtime.kinds import Precision
 
+# fp16's scaler states (graph inputs and outputs, plan states, checkpoints)
+LOSS_SCALE, GROWTH_TRACKER, SKIPPED_STEPS = "loss_scale", "growth_tracker", "skipped_steps"
 COMPUTE_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -22,7 +24,3 @@ def autocast(precision: Precision):
         return contextlib.nullcontext()
     return torch.autocast(device_type="cpu", dtype=COMPUTE_DTYPE[precision])
 
-
-def unit_roundoff(precision: Precision) -> float:
-    """u = eps / 2 of the compute dtype: 2**-24 (fp32), 2**-8 (bf16), 2**-11 (fp16)."""
-    return torch.finfo(COMPUTE_DTYPE[precision]).eps / 2

@@ -27,8 +27,8 @@ from sbpc.compiler.frontend.fx_import import import_fx
 from sbpc.compiler.ir.types import (DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Role, StateName,
                                     TensorType, map_refs)
 from sbpc.runtime.plan import LossScaling
+from sbpc.runtime.precision import GROWTH_TRACKER, LOSS_SCALE, SKIPPED_STEPS
 
-LOSS_SCALE, GROWTH_TRACKER, SKIPPED_STEPS = "loss_scale", "growth_tracker", "skipped_steps"
 STATE_TYPES = {LOSS_SCALE: TensorType((), "f32"), GROWTH_TRACKER: TensorType((), "i32"),
                SKIPPED_STEPS: TensorType((), "i64")}  # GradScaler's dtypes for the first two
 

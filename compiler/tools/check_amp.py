@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sbpc.compiler.frontend.loss_scale import GROWTH_TRACKER, LOSS_SCALE, SKIPPED_STEPS
+from sbpc.runtime.precision import GROWTH_TRACKER, LOSS_SCALE, SKIPPED_STEPS
 from sbpc.runtime.plan import LossScaling
 
 
