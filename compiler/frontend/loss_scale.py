@@ -44,8 +44,12 @@ def append_unscale(grads: list[tuple[str, TensorType]], nodes: list[Node]) -> tu
 
     def unscale(scale, *gs):
         inv = scale.double().reciprocal().float()
-        bad = sum(torch.isfinite(g).logical_not().sum() for g in gs)  # the scaled gradients, as torch checks them
-        return (bad, *(g * inv for g in gs))
+        unscaled = [g * inv for g in gs]
+        # torch tests the scaled gradients; testing the unscaled ones is the same test while the
+        # scale is at least 1 (a finite value times inv <= 1 stays finite, inf and nan stay), and
+        # reads each parameter's gradient, so a pipeline stage counts its own
+        bad = sum(torch.isfinite(g).logical_not().sum() for g in unscaled)
+        return (bad, *unscaled)
 
     outs = _splice(unscale, [(LOSS_SCALE, STATE_TYPES[LOSS_SCALE]), *grads], "unscale", nodes)
     return outs[0], outs[1:]

@@ -259,5 +259,7 @@ def optimizer_owners(graph: Graph) -> dict[int, set[str]]:
                 owned.add(direct[u])
             owned |= owned_value.get(u, set())
         out[i] = owned
-        owned_value.update((o, owned) for o in nd.outputs)
+        # a value of several parameters (fp16's overflow count over all gradients) is like the
+        # step counter to its readers: it does not pull their updates onto its chunk
+        owned_value.update((o, owned if len(owned) <= 1 else set()) for o in nd.outputs)
     return out
