@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, inspect, run, check, explain, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, run, check, explain, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +54,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_output_dir(args.dump_dir, "IR dumps (--dump-dir)")
 
 
-def _compile(args: argparse.Namespace):
+def _compile(args: argparse.Namespace, enforce_budget: bool = True):
     from sbpc.compiler.driver import compile_model
     from sbpc.compiler.frontend.hints import load_config
     from sbpc.compiler.ir.mesh import parse_mesh
@@ -76,7 +76,7 @@ def _compile(args: argparse.Namespace):
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
     result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
-                           pipeline=pipeline, memory=memory_options_of(args, config))
+                           pipeline=pipeline, memory=memory_options_of(args, config), enforce_budget=enforce_budget)
     return result, source, optimizer
 
 
@@ -133,6 +133,21 @@ def cmd_compile(args) -> int:
 
         sim = write_simulated_trace(result.plan, args.trace)
         print(f"wrote the simulated timeline ({len(sim.timeline)} firings, bubble {sim.bubble():.3f}) to {args.trace}")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.tools.memory_report import memory_json, memory_table
+
+    result, _, _ = _compile(args, enforce_budget=False)
+    budget = memory_options_of(args, load_config(args.config) if args.config else None).device_memory
+    if args.output is not None:
+        from sbpc.runtime.plan import save_plan
+
+        save_plan(result.plan, args.output)
+    roles = result.plan.estimates.roles
+    print(json.dumps(memory_json(roles, budget), indent=1) if args.json else memory_table(roles, budget, args.mesh))
     return 0
 
 
@@ -244,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     c.add_argument("--trace", metavar="FILE", help="write the pipeline's simulated timeline (unit cost; Chrome/Perfetto JSON)")
     c.set_defaults(fn=cmd_compile)
+    mm = sub.add_parser("memory", help="estimate the memory of every rank role (pp stage) before launch")
+    _model_arguments(mm)
+    mm.add_argument("--json", action="store_true", help="print a JSON list: role, params, grads, optimizer, activations, "
+                                                       "buffers, temporaries, total (bytes per device) and fits")
+    mm.add_argument("-o", "--output", help="also write the plan")
+    mm.set_defaults(fn=cmd_memory)
     i = sub.add_parser("inspect", help="print a plan as text IR")
     i.add_argument("plan")
     i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
@@ -278,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, i, r, k, e, s, o):
+    for sp in (c, mm, i, r, k, e, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -1,6 +1,7 @@
 """The compile driver: model file -> capture -> passes -> physical plan."""
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +30,10 @@ class CompileResult:
 
 def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer: OptimizerConfig,
                   ctx: CompileContext | None = None, passes=None, config: ParallelConfig | None = None,
-                  pipeline: PipelineOptions = PipelineOptions(), memory: MemoryOptions = MemoryOptions()) -> CompileResult:
+                  pipeline: PipelineOptions = PipelineOptions(), memory: MemoryOptions = MemoryOptions(),
+                  enforce_budget: bool = True) -> CompileResult:
+    """``enforce_budget``: refuse a plan that does not fit ``memory.device_memory`` (`sbpc
+    memory` turns it off to print the table)."""
     _refuse_unbuilt(memory)
     mesh = mesh.with_microbatches(pipeline.microbatches)
     # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
@@ -41,7 +45,52 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                               pipeline=pipeline, memory=memory)
     result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
     result.timings["total"] += result.timings["capture"]
+    if enforce_budget and memory.device_memory is not None:
+        _refuse_over_budget(result.plan.estimates.roles, source, mesh, batch_size=batch_size, optimizer=optimizer,
+                            config=config, pipeline=pipeline, memory=memory)
     return result
+
+
+def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: MemoryOptions, **compile_kw) -> None:
+    """A plan that does not fit is refused, naming the role, its biggest term and the cheapest
+    change that fits (each change re-estimated by compiling under it; compiler/memory/advice.py)."""
+    from sbpc.compiler.memory import advice
+    from sbpc.errors import SbpcError
+
+    budget = memory.device_memory
+    over = [r for r in roles if r.total > budget]
+    if not over:
+        return
+    worst = max(over, key=lambda r: r.total)
+    term, nbytes = advice.biggest_term(worst)
+
+    def built(option: MemoryOptions) -> bool:
+        try:
+            _refuse_unbuilt(option)
+        except UsageError:
+            return False
+        return True
+
+    def estimate(change: advice.Change):
+        try:
+            quiet = CompileContext(verify=False, log=io.StringIO())  # a probe: its warnings are not the user's
+            return compile_model(source, change.mesh, memory=change.memory, enforce_budget=False, ctx=quiet,
+                                 **compile_kw).plan.estimates.roles
+        except SbpcError:  # the model or batch cannot take this change (heads over tp, batch over dp)
+            return None
+
+    fit = advice.first_fit(advice.candidates(mesh, memory, built), estimate, budget)
+    devices = f"{worst.ranks} device{'s' if worst.ranks > 1 else ''}"
+    message = (f"{worst.role} ({devices}) needs {advice.gb(worst.total)} per device at its peak ({worst.peak_at}), "
+               f"over --device-memory {advice.gb(budget)}; its biggest term is {term} ({advice.gb(nbytes)})")
+    if fit is None:
+        hint = "no single change sbpc can make fits (tried: " + ", ".join(
+            c.label for c in advice.candidates(mesh, memory, built)) + "); see `sbpc memory` for every role"
+    else:
+        change, fitted = fit
+        top = max(fitted, key=lambda r: r.total)
+        hint = f"the cheapest change that fits: {change.label} ({advice.gb(top.total)} on its fullest role, {top.role})"
+    raise CompileError(message, hint=hint)
 
 
 def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, optimizer: OptimizerConfig,
@@ -101,11 +150,8 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
 def _refuse_unbuilt(memory: MemoryOptions) -> None:
     """The memory options whose passes are not built yet are refused, never ignored."""
     default = MemoryOptions()
-    for key, flag in (("recompute", "--recompute"),
-                      ("offload", "--offload"), ("device_memory", "--device-memory")):
+    for key, flag in (("offload", "--offload"),):
         value = getattr(memory, key)
-        if key == "recompute" or (key == "device_memory" and memory.recompute == Recompute.AUTO):
-            continue  # the recompute pass; auto picks its mode by the budget
         if value != getattr(default, key):
             raise UsageError(f"{flag} {value} is not implemented yet", hint="see the open memory issue (ZeRO, recompute, "
                              "mixed precision, offload, memory budget)")

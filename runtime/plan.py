@@ -169,12 +169,12 @@ class RoleMemory(_Model):
     role: str  # "stage 0"
     stage: int
     ranks: int  # devices that play this role
-    params: int  # parameters and model buffers (always live)
+    params: int  # parameters and model buffers (always live), and the new parameters the update wrote
     grads: int  # gradients live at the peak (accumulators, buckets, reduced gradients)
-    optimizer: int  # optimizer state (always live)
+    optimizer: int  # optimizer state (always live), and new state the update wrote
     activations: int  # forward values (and batch shards) live at the peak, all micro-batches in flight
     buffers: int  # results of collectives and transfers live inside the running task
-    temporaries: int  # everything else live at the peak: backward intermediates, the update's new values
+    temporaries: int  # everything else live at the peak: backward intermediates, the update's own
     total: int
     peak_at: str  # the task whose run holds the peak ("F0.3", "B1.0", "U0", "step")
     in_flight: int  # micro-batches whose values are held at the peak

@@ -32,7 +32,9 @@ def test_fp32_adamw_model_state_is_16_bytes_per_parameter(mesh):
     replicated = sum(x.numel for x in _replicated_on_tp(result)) if tp > 1 else 0
     assert state == 16 * ((p - replicated) // tp + replicated)
     assert role.total == sum((role.params, role.grads, role.optimizer, role.activations, role.buffers, role.temporaries))
-    assert role.params == role.param_bytes and role.optimizer == role.optimizer_bytes  # held all step
+    # held all step; at a peak inside the update the new values come on top of the old
+    assert role.param_bytes <= role.params <= 2 * role.param_bytes
+    assert role.optimizer_bytes <= role.optimizer <= 2 * role.optimizer_bytes
 
 
 def _replicated_on_tp(result):
@@ -41,3 +43,110 @@ def _replicated_on_tp(result):
     axes = result.graph.mesh.sbp_axes
     t = axes.index("tp")
     return [i.type for i in result.graph.inputs if i.kind.value == "param" and isinstance(i.sbp[t], Broadcast)]
+
+
+# ----- activations per layer vs Korthikanti et al. 2022
+# Their sbh(34 + 5as/h) counts, per layer, 16 activation tensors of sbh elements at A = 2 bytes
+# (layer-norm inputs and outputs, q, k, v, the projection input, the MLP's 4h input and GELU
+# output), two dropout masks of sbh at M = 1 byte, and for the attention the softmax output and
+# the dropout output of as^2b elements (A each) and the dropout mask (M):
+#     sbh(16A + 2M) + as^2b(2A + M)    -> sbh(34 + 5as/h) at A = 2, M = 1.
+# With tensor parallelism the layer-norm inputs, the qkv and MLP inputs (4 of the 16) and the
+# two masks stay whole, the rest is split over t; sequence parallelism splits everything.
+# sbpc runs fp32 (A = 4), and its capture writes dropout as bernoulli -> div(1-p) -> mul, so the
+# mask it keeps is the scaled float mask (M = 4, not a 1-byte bool): the same tensors at the
+# sizes this program really keeps. The IR is not consulted for A or M.
+A, M = 4, 4
+S, B, H, HEADS = 32, 2, 256, 8  # hidden above tokens/3: Megatron's layout is the cheap one, as at scale
+
+
+def _formula(t: int = 1, sp: bool = False) -> float:
+    attn = (2 * A + M) * HEADS * S / H
+    if sp:
+        return S * B * H * (16 * A + 2 * M + attn) / t
+    return S * B * H * (4 * A + 2 * M + 12 * A / t + attn / t)
+
+
+_GATHERS = ("sbp-propagate gathers the residual stream before the layer norms (and, without SP, more) where Megatron "
+            "keeps it split: the cost model has no memory term yet, so its layout keeps more than the formula")
+
+
+@pytest.mark.parametrize("mesh,sp", [("1", False),
+                                     pytest.param("1x2x1", False, marks=pytest.mark.xfail(strict=True, reason=_GATHERS)),
+                                     pytest.param("1x2x1", True, marks=pytest.mark.xfail(strict=True, reason=_GATHERS))])
+def test_activations_per_layer_match_korthikanti(mesh, sp):
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.memory.estimate import saved_for_backward
+
+    m = parse_mesh(mesh)
+    source = load_model("tests/models/megatron_layer.py", {"hidden": H, "heads": HEADS, "seq": S, **({"sp": sp} if sp else {})})
+    config = load_config("tests/models/megatron_layer.toml") if m.size("tp") > 1 else None
+    graph = compile_model(source, m, batch_size=B, optimizer=OptimizerConfig(), config=config).graph
+    saved = saved_for_backward(graph)
+    want = _formula(m.size("tp"), sp)
+    for layer in ("h.0", "h.1", "h.2"):
+        assert saved[layer] == pytest.approx(want, rel=0.05), (layer, saved[layer] / (S * B * H), want / (S * B * H))
+
+
+def test_megatron_16_bit_formula_is_the_general_one_at_2_and_1_bytes():
+    # the generalisation above is Korthikanti's formula, not a refit: at A = 2, M = 1 it is
+    # sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) and sbh(34 + 5as/h)/t
+    a, s, h, t = 4, 32, 64, 2
+    attn = lambda A_, M_: (2 * A_ + M_) * a * s / h  # noqa: E731
+    assert 16 * 2 + 2 * 1 + attn(2, 1) == 34 + 5 * a * s / h
+    assert 4 * 2 + 2 * 1 + 12 * 2 / t + attn(2, 1) / t == 10 + 24 / t + 5 * a * s / (h * t)
+
+
+# ----- the pipeline's in-flight micro-batches
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stage_holds_the_schedules_in_flight_micro_batches(schedule):
+    from sbpc.compiler.memory.estimate import estimate_memory
+    from sbpc.runtime.kinds import ScheduleName
+
+    p, m = 4, 8
+    source = load_model("examples/gpt.py", {"preset": "tiny"})
+    graph = compile_model(source, parse_mesh(f"1x1x{p}"), batch_size=32 * m, optimizer=OptimizerConfig(),
+                          pipeline=PipelineOptions(microbatches=m, schedule=ScheduleName(schedule))).graph
+    timeline = []
+    roles = estimate_memory(graph, timeline)
+    for s in range(p):
+        most = max(x.in_flight for x in timeline if x.stage == s)
+        assert most == (min(p - s, m) if schedule == "1f1b" else m)
+    # activations held grow with what is in flight: under 1F1B the first block's stage holds
+    # more than the last block's (same work per block, p - s micro-batches)
+    if schedule == "1f1b":
+        assert roles[1].activations > roles[2].activations > 0
+    assert all(r.total == sum((r.params, r.grads, r.optimizer, r.activations, r.buffers, r.temporaries)) for r in roles)
+
+
+# ----- the command
+def test_sbpc_memory_json_has_one_object_per_role():
+    import json
+
+    from conftest import sbpc
+
+    base = ["memory", "examples/gpt.py", "--mesh", "1x1x2", "--json"]
+    out = sbpc(*base)
+    assert out.returncode == 0, out.stderr
+    totals = [r["total"] for r in json.loads(out.stdout)]
+    assert len(totals) == 2 and totals[0] != totals[1]
+    budget = (totals[0] + totals[1]) // 2  # between the two stages: one fits, one does not
+    rows = json.loads(sbpc(*base, "--device-memory", str(budget)).stdout)
+    assert [r["role"] for r in rows] == ["stage 0", "stage 1"]
+    for r, total in zip(rows, totals):
+        assert {"role", "params", "grads", "optimizer", "activations", "buffers", "total", "fits"} <= set(r)
+        assert r["total"] == total and r["fits"] == (total <= budget)
+    assert {r["fits"] for r in rows} == {True, False}
+
+
+def test_compile_refuses_a_plan_over_the_budget_in_one_line(tmp_path):
+    from conftest import sbpc
+
+    out = sbpc("compile", "examples/gpt.py", "--device-memory", "1MB", "-o", str(tmp_path / "p.json"))
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("sbpc: error: stage 0 (1 device) needs ")
+    assert "over --device-memory 1.0 MB; its biggest term is " in line
+    # every change sbpc can make was re-estimated, and none fits a megabyte
+    assert "hint: no single change sbpc can make fits (tried: --mesh 1x2x1, --mesh 1x1x2)" in line
+    assert not (tmp_path / "p.json").exists()

@@ -12,9 +12,11 @@ the run, not a formula:
 - a pipelined stage runs its tasks in the plan's order. A task's results that later tasks
   read stay in the micro-batch's environment until the micro-batch's last task on the stage
   (the regst); batch shards of every micro-batch are cut at the start of the step; received
-  values join the environment; an accumulated value (a weight gradient) gets one accumulator
+  values join the environment; a value sent to another stage is kept by its send until the
+  step ends (the runner waits for its sends then); an accumulated value (a weight gradient) gets one accumulator
   from its first firing on; inside a task, values die after their last use there, and a
-  result nobody reads lives until the task returns.
+  result nobody reads lives until the task returns; the results of a task are held by the
+  runner's loop until the next task has run, even when their micro-batch is done.
 
 ZeRO (SBP of parameters and state), recompute (the graph) and precision (dtypes) change the IR,
 so the estimate follows them without knowing about them.
@@ -59,7 +61,15 @@ class Storages:
         sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
         self.root: dict[str, str] = {}
         self.store: dict[str, _Storage] = {}
+        self.staging: dict[int, int] = {}  # id(node) -> bytes a collective stages while it runs
+        value_bytes = {i.value: i.type.local_nbytes(i.sbp, sizes) for i in graph.inputs}
+        for n in graph.nodes:
+            value_bytes.update(zip(n.outputs, (t.local_nbytes(nd, sizes) for t, nd in zip(n.types, n.sbp or [None] * len(n.types)))))
         grads = _gradient_values(graph)
+        kind = {i.name: i.kind for i in graph.inputs}
+        # the update's new values: held with the old ones until the step returns
+        updates = {o.value: (Term.OPTIMIZER if kind.get(o.name) == InputKind.STATE else Term.PARAMS)
+                   for o in graph.outputs_of(OutputKind.UPDATE)}
         for i in graph.inputs:
             term = {InputKind.PARAM: Term.PARAMS, InputKind.BUFFER: Term.PARAMS, InputKind.STATE: Term.OPTIMIZER,
                     InputKind.BATCH: Term.ACTIVATIONS}[i.kind]
@@ -73,6 +83,9 @@ class Storages:
                     self.root[o] = self.root[firsts[0]]
                 continue
             nbytes = [t.local_nbytes(nd, sizes) for t, nd in zip(n.types, sbps)]
+            staged = _staging(n, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
+            if staged:
+                self.staging[id(n)] = staged
             if n.op == Collective.ALL_REDUCE_COALESCED.op and n.outputs:  # pieces of one flat bucket
                 for o in n.outputs:
                     self.root[o] = n.outputs[0]
@@ -80,7 +93,7 @@ class Storages:
                 continue
             for o, b in zip(n.outputs, nbytes):
                 self.root[o] = o
-                self.store[o] = _Storage(b, *_terms(n, o, grads))
+                self.store[o] = _Storage(b, updates[o], updates[o]) if o in updates else _Storage(b, *_terms(n, o, grads))
 
     def nbytes(self, roots) -> int:
         return sum(self.store[r].nbytes for r in roots)
@@ -91,6 +104,26 @@ class Storages:
             s = self.store[r]
             out[s.held_term if held else s.term] += s.nbytes
         return out
+
+
+def _staging(n: Node, in_bytes: list[int], out_bytes: list[int], mesh) -> int:
+    """Bytes a collective's kernel allocates besides its result, while it runs (runtime/collectives.py
+    over gloo, runtime/dist.py): a bucket's flat copy, the received pieces of an all-gather, the
+    contiguous copies of a reduce-scatter or all-to-all that does not cut dim 0."""
+    kind = Collective.of(n.op)
+    axis = n.kwargs.get("axis")
+    if kind is None or (isinstance(axis, str) and mesh.size(axis) <= 1):
+        return 0
+    first = in_bytes[0] if in_bytes else 0
+    if kind == Collective.ALL_REDUCE_COALESCED:
+        return sum(in_bytes)
+    if kind == Collective.ALL_GATHER:
+        return sum(out_bytes)
+    if kind == Collective.REDUCE_SCATTER:
+        return first if n.kwargs.get("dim", 0) != 0 or n.kwargs.get("parts", 1) > 1 else 0
+    if kind == Collective.ALL_TO_ALL:
+        return 2 * first
+    return 0
 
 
 def _terms(n: Node, value: str, grads: set[str]) -> tuple[Term, Term]:
@@ -174,13 +207,18 @@ def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[st
         births.setdefault(k, []).append(r)
         deaths.setdefault(end[r], []).append(r)
     live: set[str] = set()
-    best, best_terms = 0, dict.fromkeys(Term, 0)
+    b = best = 0
+    best_terms = dict.fromkeys(Term, 0)
     for k in range(last):
-        live.update(births.get(k, ()))
-        b = store.nbytes(live)
-        if b > best:
-            best, best_terms = b, store.by_term(live, held=False)
-        live.difference_update(deaths.get(k, ()))
+        new = births.get(k, ())
+        live.update(new)
+        b += store.nbytes(new)
+        staged = store.staging.get(id(kernels[k][1]), 0)
+        if b + staged > best:
+            best, best_terms = b + staged, _add(store.by_term(live, held=False), {Term.BUFFERS: staged})
+        gone = deaths.get(k, ())
+        live.difference_update(gone)
+        b -= store.nbytes(gone)
     return _TaskProfile(best, best_terms, set(born))
 
 
@@ -188,15 +226,30 @@ def _graph_output_values(graph: Graph) -> set[str]:
     return {o.value for o in graph.outputs}
 
 
-def estimate_memory(graph: Graph) -> list[RoleMemory]:
+@dataclass(frozen=True)
+class Moment:
+    """One task of a stage's walk: bytes held when it starts and the peak while it runs."""
+    stage: int
+    task: str
+    held: int
+    peak: int
+    in_flight: int
+
+
+def estimate_memory(graph: Graph, timeline: list[Moment] | None = None) -> list[RoleMemory]:
     """One ``RoleMemory`` per pp stage of ``graph`` (after SBP; after the schedule pass the
-    pipeline's firing order and in-flight micro-batches are in it)."""
+    pipeline's firing order and in-flight micro-batches are in it). ``timeline`` receives
+    every task's ``Moment`` when given."""
     store = Storages(graph)
     state = _model_state(graph, store)
     sbp_devices = graph.mesh.world_size // graph.mesh.size("pp")  # the dp x tp ranks of a stage
     if graph.schedule is None:
         return [_one_program(graph, store, state[0], sbp_devices)]
-    return [_pipelined_stage(graph, store, s, state[s], sbp_devices) for s in range(graph.schedule.stages)]
+    from sbpc.compiler.passes.schedule import task_graph  # the schedule pass's own task graph
+
+    tg = task_graph(graph)
+    return [_pipelined_stage(graph, tg, store, s, state[s], sbp_devices, timeline)
+            for s in range(graph.schedule.stages)]
 
 
 def _model_state(graph: Graph, store: Storages) -> dict[int, tuple[int, int, int]]:
@@ -238,11 +291,9 @@ def _one_program(graph: Graph, store: Storages, state, ranks: int) -> RoleMemory
     return _role(0, 1, ranks, peak, state)
 
 
-def _pipelined_stage(graph: Graph, store: Storages, stage: int, state, ranks: int) -> RoleMemory:
-    from sbpc.compiler.passes.schedule import task_graph  # the schedule pass's own task graph
-
+def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks: int,
+                     timeline: list[Moment] | None) -> RoleMemory:
     spec = graph.schedule
-    tg = task_graph(graph)
     pp, m = spec.stages, spec.microbatches
     nodes = graph.nodes
     mine = {k: b for k, b in tg.bodies.items() if k[0] % pp == stage}
@@ -257,31 +308,71 @@ def _pipelined_stage(graph: Graph, store: Storages, stage: int, state, ranks: in
             last_of_mb[t.mb] = t
     if m == 1:
         last_of_mb = {}  # one micro-batch: the update reads its values, nothing is dropped
-    env: list[set[str]] = [set(batch) for _ in range(m)]
-    step_env: set[str] = set()
-    accs: set[str] = set()
+    # a held storage is (root, micro-batch): one program value is a new tensor in every
+    # micro-batch; None for what lives once a step
+    env: list[set[tuple]] = [{(r, j) for r in batch} for j in range(m)]
+    persistent_keys = {(r, None) for r in persistent}
+    step_env: set[tuple] = set()
+    accs: set[tuple] = set()
+    pending: set[tuple] = set()  # sent to another stage: the send keeps it until the step ends
+    previous: set[tuple] = set()  # the last task's results: the runner's loop holds them during the next
     profiles: dict[tuple, _TaskProfile] = {}
+    started: set[int] = set()
     peak = _Peak()
     for task in order:
         body = mine[task.key]
-        here = env[task.mb] if task.mb is not None else step_env
-        recvs = {store.root[it.outs[0]] for it in body.recvs}
-        here |= recvs
-        held = persistent | step_env | accs | set().union(*env)
+        mb = task.mb
+        here = env[mb] if mb is not None else step_env
+        once = persistent_keys | step_env | accs
+        key = lambda v: (store.root[v], None) if (store.root[v], None) in once else (store.root[v], mb)  # noqa: E731
+        here |= {key(it.outs[0]) for it in body.recvs}
+        kept = persistent_keys | step_env | accs | previous | set().union(*env)
+        held = kept | pending
         if task.key not in profiles:
+            visible = {r for r, j in held if j is None or j == mb or mb is None}
             kernels = [(it.index, nodes[it.index]) for it in body.kernels]
-            profiles[task.key] = _task_profile(store, kernels, set(body.outputs), held, unread_die_at_birth=False)
+            profiles[task.key] = _task_profile(store, kernels, set(body.outputs), visible, unread_die_at_birth=False)
         prof = profiles[task.key]
-        own = prof.made - held  # the task's allocations (its profile counts them)
-        base_roots = held - own
-        in_flight = sum(1 for j in range(m) if env[j] - batch)
-        peak.offer(store.nbytes(base_roots) + prof.peak, _add(store.by_term(base_roots, held=True), prof.terms),
-                   fmt(task), in_flight)
-        here |= {store.root[o] for o in body.outputs}
-        accs |= {store.root[acc_of[o]] for o in body.outputs if o in acc_of}
-        if task.mb is not None and last_of_mb.get(task.mb) == task:
-            env[task.mb] = set()  # the micro-batch's regst is free
+        if mb is not None and task.phase == "fwd":
+            started.add(mb)
+        in_flight = len(started)  # forwards run whose micro-batch is not done on this stage
+        base = _nbytes(store, held)
+        if timeline is not None:
+            timeline.append(Moment(stage, fmt(task), base, base + prof.peak, in_flight))
+        terms = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, pending - kept)}, prof.terms)
+        peak.offer(base + prof.peak, terms, fmt(task), in_flight)
+        previous = {key(o) for o in body.outputs}
+        here |= previous
+        accs |= {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of}
+        pending |= {key(x.value) for x in tg.sends.get(task.key, []) if x.dst_chunk % pp != stage}
+        if mb is not None and last_of_mb.get(mb) == task:
+            env[mb] = set()  # the micro-batch's regst is free
+            started.discard(mb)
     return _role(stage, pp, ranks, peak, state)
+
+
+def _nbytes(store: Storages, keys: set[tuple]) -> int:
+    return sum(store.store[r].nbytes for r, _ in keys)
+
+
+def _by_term(store: Storages, keys: set[tuple]) -> dict[Term, int]:
+    return store.by_term([r for r, _ in keys], held=True)
+
+
+def saved_for_backward(graph: Graph, depth: int = 2) -> dict[str, int]:
+    """Bytes per device of the forward values each module's backward reads, by the module path's
+    first ``depth`` components (``h.3``): the activations a layer keeps for its backward."""
+    store = Storages(graph)
+    out: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.role != Role.BACKWARD or n.loc is None or not n.loc.module:
+            continue
+        key = ".".join(n.loc.module.split(".")[:depth])
+        for u in n.uses():
+            r = store.root.get(u)
+            if r is not None and store.store[r].held_term == Term.ACTIVATIONS:
+                out.setdefault(key, set()).add(r)
+    return {k: store.nbytes(v) for k, v in out.items()}
 
 
 def fits(roles: list[RoleMemory], budget: int | None) -> bool:
