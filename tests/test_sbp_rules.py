@@ -424,3 +424,16 @@ def test_load_reads_a_path(tmp_path):
     p.write_text("aten.mm.default = einsum(\"mk,kn->mn\")\naten.mm.default = x(\n")
     with pytest.raises(IRError, match=re.escape(str(p)) + r":2:\d+"):
         RuleBook.load(p)
+
+
+def test_layer_norm_backward_without_an_input_gradient_compiles_on_tp():
+    """native_layer_norm_backward with output_mask [False, True, True] (a LayerNorm on the batch
+    input) has an empty first output: its rule must not index it (was an IndexError on 1x2)."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.pass_manager import CompileContext
+    plan = compile_model(load_model("tests/models/layernorm_on_input.py"), parse_mesh("1x2"), batch_size=4,
+                         optimizer=OptimizerConfig(), ctx=CompileContext(allow_replicated=True)).plan
+    assert any(i.op == "aten.native_layer_norm_backward.default" for s in plan.stages for i in s.instructions)

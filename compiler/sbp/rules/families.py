@@ -327,9 +327,11 @@ def layer_norm_backward(c, grad_out, input, normalized_shape, mean, rstd, weight
     lead = rank - len(c.value(normalized_shape))
     lets = letters(rank)
     stat = lets[:lead] + [None] * (rank - lead)
+    # an output the backward does not need (output_mask) is an empty placeholder: it has no dims
+    outs = [dims if len(c.out_shape(i)) == len(dims) else [] for i, dims in
+            enumerate([lets, [None] * (rank - lead), [None] * (rank - lead)])]
     lp = Loops(ins={c.tensor(grad_out): lets, c.tensor(input): lets, c.tensor(mean): stat, c.tensor(rstd): stat},
-               outs=[lets, [None] * (rank - lead), [None] * (rank - lead)],
-               reduce={x: "sum" for x in lets[:lead]}, fixed=set(lets[lead:]))
+               outs=outs, reduce={x: "sum" for x in lets[:lead]}, fixed=set(lets[lead:]))
     return lp, []
 
 
