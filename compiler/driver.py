@@ -148,13 +148,10 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
 
 
 def _refuse_unbuilt(memory: MemoryOptions) -> None:
-    """The memory options whose passes are not built yet are refused, never ignored."""
-    default = MemoryOptions()
-    for key, flag in (("offload", "--offload"),):
-        value = getattr(memory, key)
-        if value != getattr(default, key):
-            raise UsageError(f"{flag} {value} is not implemented yet", hint="see the open memory issue (ZeRO, recompute, "
-                             "mixed precision, offload, memory budget)")
+    """A memory option whose pass is not built yet is refused, never ignored: optimizer offload."""
+    if memory.offload != MemoryOptions().offload:
+        raise UsageError(f"--offload {memory.offload} is not implemented yet",
+                         hint="ZeRO (--zero 1) shards the optimizer state over dp instead")
 
 
 def precision_spec(precision: Precision) -> PrecisionSpec:

@@ -42,3 +42,13 @@ def test_config_memory_table(tmp_path):
     with pytest.raises(UsageError, match=r"\[memory\] has unknown key 'zer0'") as err:
         load_config(str(bad))
     assert err.value.location == f"{bad}:5"
+
+
+def test_an_unbuilt_option_is_refused_not_ignored():
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    with pytest.raises(UsageError, match=r"^--offload optimizer is not implemented yet"):
+        compile_model(load_model("examples/mlp.py"), parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig(),
+                      memory=MemoryOptions(offload="optimizer"))
