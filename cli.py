@@ -198,12 +198,17 @@ def cmd_check(args) -> int:
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.runner import make_runner
 
+    from sbpc.runtime.cli import check_backend
+
+    check_backend(args.backend, 1)  # a GPU at all, before the compile
     result, source, optimizer = _compile(args)
+    check_backend(args.backend, result.plan.world_size)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
-                                timeout=args.timeout, ranks=args.ranks, free_running=args.free_running)
+                                timeout=args.timeout, ranks=args.ranks, free_running=args.free_running,
+                                backend=args.backend)
     else:
-        runner = make_runner(result.plan, make_backend("cpu"), seed=args.seed)
+        runner = make_runner(result.plan, make_backend(args.backend), seed=args.seed)
         report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
                            tolerance=args.tolerance, free_running=args.free_running)
     print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")
@@ -285,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--free-running", action="store_true",
                    help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")
     k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
+    k.add_argument("--backend", default="cpu", help="run the plan and eager PyTorch on cpu (default) or cuda "
+                                                    "(one GPU per rank; eager on the first)")
     k.add_argument("--ranks", choices=["processes", "threads"], default="processes",
                    help="run the ranks of a multi-device check as gloo processes (default) or as threads of this "
                         "process (no interpreter per rank; for quick checks, see docs/runtime.md)")

@@ -162,6 +162,11 @@ class Backend(ABC):
     def kernels(self) -> dict[str, Callable]:
         """Backend-specific kernels of the device-neutral ``sbpc.*`` ops."""
 
+    def host_backend(self) -> Backend:
+        """The backend the init program runs on (the weights must be eager's CPU init bit for
+        bit); the Runner moves its tensors to ``device``."""
+        return self
+
 
 def torch_op(op: str):
     """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``, or None when torch has no such op."""
@@ -176,9 +181,19 @@ def make_backend(name: str, communicator: Communicator | None = None, topology: 
     """The backend ``name`` over ``communicator`` (default: the one-device LocalCommunicator) at
     ``topology`` (default: the communicator's ``topology`` if it has one, else a one-device
     mesh, rank 0)."""
+    check_backend_name(name)
+    if name == "cuda":
+        from sbpc.runtime.cuda import CudaBackend
+
+        return CudaBackend(communicator or LocalCommunicator(), topology)
     from sbpc.runtime.cpu import CpuBackend
 
-    backends = {"cpu": CpuBackend}
-    if name not in backends:
-        raise UsageError(f"backend {name!r} is not available", hint="available: cpu (cuda arrives with the NCCL backend)")
-    return backends[name](communicator or LocalCommunicator(), topology)
+    return CpuBackend(communicator or LocalCommunicator(), topology)
+
+
+BACKENDS = ("cpu", "cuda")
+
+
+def check_backend_name(name: str) -> None:
+    if name not in BACKENDS:
+        raise UsageError(f"backend {name!r} is not available", hint="available: " + ", ".join(BACKENDS))

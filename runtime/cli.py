@@ -21,7 +21,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON written by `sbpc compile`")
     p.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weight init and the synthetic batches")
-    p.add_argument("--backend", default="cpu", help="kernel + communication backend (default cpu)")
+    p.add_argument("--backend", default="cpu", help="cpu (torch CPU + gloo, the default) or cuda (torch CUDA + NCCL "
+                                                    "through CuPy, one process per GPU; pip install -e '.[cuda]')")
     p.add_argument("--weights", help="start from this state_dict (.pt) or .safetensors file instead of the seeded init")
     p.add_argument("--save", help="write the final weights here (.pt or .safetensors), atomically")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: the cores divided among the ranks)")
@@ -52,6 +53,7 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         if getattr(args, flag, None):
             check_output_path(getattr(args, flag), what)
     plan = load_plan(args.plan)
+    check_backend(getattr(args, "backend", "cpu"), plan.world_size)
     if plan.pipeline is not None:
         from sbpc.runtime.pipeline import check_order
 
@@ -70,6 +72,17 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         return _spawn(args, plan, out)
     train(args, plan, None, out)
     return 0
+
+
+def check_backend(name: str, ranks: int) -> None:
+    """Refuse an unknown backend, or cuda on a machine that cannot run it, before any rank starts."""
+    from sbpc.runtime.backend import check_backend_name
+
+    check_backend_name(name)
+    if name == "cuda":
+        from sbpc.runtime.cuda import require_cuda
+
+        require_cuda(ranks)
 
 
 def train(args: argparse.Namespace, plan, communicator, out) -> dict:
@@ -112,7 +125,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     if args.save:
         state = runner.logical_weights()  # every rank takes part in the gathers
         if backend.communicator.rank == 0:
-            save_weights(state, args.save)
+            save_weights({k: v.detach().cpu() for k, v in state.items()}, args.save)
             if out is not None:
                 print(f"saved weights to {args.save}", file=out, flush=True)
     return {"losses": losses, "seconds": elapsed, "skipped_steps": skipped}
@@ -141,7 +154,7 @@ def run_rank(payload: dict) -> dict:
 
     args = argparse.Namespace(**payload)
     plan = load_plan(args.plan)
-    comm = dist.init_distributed(plan, timeout=args.timeout)
+    comm = dist.init_distributed(plan, timeout=args.timeout, backend=args.backend)
     return train(args, plan, comm, sys.stdout if comm.rank == 0 else None)
 
 
@@ -166,7 +179,7 @@ def _join_group(args: argparse.Namespace, plan, out) -> int:
 
     rank = int(os.environ["RANK"])
     try:
-        comm = dist.init_distributed(plan, timeout=getattr(args, "timeout", 300.0))
+        comm = dist.init_distributed(plan, timeout=getattr(args, "timeout", 300.0), backend=args.backend)
         train(args, plan, comm, out if comm.rank == 0 else None)
     except BaseException as err:
         dist.report_failure(rank, err)

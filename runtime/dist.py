@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from sbpc.errors import PlanError, RuntimeFailure, SbpcError
+from sbpc.errors import PlanError, RuntimeFailure, SbpcError, UsageError
 from sbpc.runtime.backend import Communicator
 from sbpc.runtime.topology import Topology
 
@@ -72,16 +72,21 @@ def init_process_group(timeout: float) -> None:
     _State.store, _State.timeout = store, timeout
 
 
-def init_distributed(mesh, *, timeout: float) -> Communicator:
+def init_distributed(mesh, *, timeout: float, backend: str = "cpu") -> Communicator:
     """Join the process group (from the environment) and build the communicator of ``mesh``:
     a Plan, a Topology, or ``[(axis, size), ...]`` in rank order. Refuses a WORLD_SIZE that is
     not the mesh's device count before touching the network. In a rank thread of
-    ``runtime.thread_launch.launch_threads`` the communicator is that run's ``ThreadCommunicator``."""
+    ``runtime.thread_launch.launch_threads`` the communicator is that run's ``ThreadCommunicator``.
+    ``backend="cuda"``: NCCL on this rank's GPU (``runtime.nccl``), its unique ids exchanged over
+    the rendezvous store; gloo still carries Python objects and the barrier."""
     from sbpc.runtime.thread_launch import rank_thread_communicator
 
     axes = mesh_axes(mesh)
     in_process = rank_thread_communicator(axes, timeout)
     if in_process is not None:
+        if backend != "cpu":
+            raise UsageError(f"rank threads run on the cpu backend only, not {backend}",
+                             hint="use --ranks processes (one process per GPU) with --backend cuda")
         return in_process
     world = 1
     for _, size in axes:
@@ -89,7 +94,13 @@ def init_distributed(mesh, *, timeout: float) -> Communicator:
     if "WORLD_SIZE" in os.environ and env_world_size() != world:
         raise world_size_mismatch(world, env_world_size())
     init_process_group(timeout)
-    return GlooCommunicator(Topology(axes, dist.get_rank()), timeout=timeout)
+    gloo = GlooCommunicator(Topology(axes, dist.get_rank()), timeout=timeout)
+    if backend != "cuda":
+        return gloo
+    from sbpc.runtime.cuda import local_device
+    from sbpc.runtime.nccl import NcclCommunicator
+
+    return NcclCommunicator(gloo.topology, local_device(), store=_State.store, timeout=timeout, gloo=gloo)
 
 
 def world_size_mismatch(plan_world: int, env_world: int) -> RuntimeFailure:

@@ -17,10 +17,11 @@ LOSS_SCALE, GROWTH_TRACKER, SKIPPED_STEPS = "loss_scale", "growth_tracker", "ski
 COMPUTE_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
-def autocast(precision: Precision):
-    """The context the forward runs in: torch.autocast on CPU for bf16 and fp16. The CPU policy
-    is the one traced, whatever device runs the plan (the casts are ops of the plan)."""
+def autocast(precision: Precision, device_type: str = "cpu"):
+    """The context the forward runs in: torch.autocast for bf16 and fp16. The CPU policy is the
+    one traced, whatever device runs the plan (the casts are ops of the plan); `sbpc check
+    --backend cuda` runs eager under CUDA's policy, which may cast a few more ops."""
     if precision == Precision.FP32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cpu", dtype=COMPUTE_DTYPE[precision])
+    return torch.autocast(device_type=device_type, dtype=COMPUTE_DTYPE[precision])
 

@@ -14,11 +14,13 @@ from sbpc.runtime.plan import Plan
 
 
 def init_weights(plan: Plan, backend: Backend, seed: int) -> dict[str, torch.Tensor]:
-    """The weights of ``torch.manual_seed(seed); build_model()``, bit for bit."""
-    gen = torch.Generator(device=backend.device)
+    """The weights of ``torch.manual_seed(seed); build_model()``, bit for bit: the init program
+    runs where ``build_model`` does, on the backend's ``host_backend()`` (the CPU for cuda too)."""
+    host = backend.host_backend()
+    gen = torch.Generator(device=host.device)
     gen.manual_seed(seed)
     names = list(plan.init.outputs)
-    program = Program(plan.init.instructions, [], [plan.init.outputs[n] for n in names], backend,
+    program = Program(plan.init.instructions, [], [plan.init.outputs[n] for n in names], host,
                       generator=gen, name="init")
     return dict(zip(names, program.run([])))
 

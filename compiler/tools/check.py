@@ -192,9 +192,10 @@ class Eager:
     torch.amp.GradScaler in the plan's scale (docs/precision.md)."""
 
     def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int,
-                 precision: PrecisionSpec = PrecisionSpec()):
+                 precision: PrecisionSpec = PrecisionSpec(), device: torch.device = torch.device("cpu")):
         torch.manual_seed(seed)
-        self.model = source.build().train()
+        self.model = source.build().train().to(device)  # built on the CPU, as the plan's init is
+        self.device = device
         self.named = dict(self.model.named_parameters())
         self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.kind = optimizer.kind
@@ -203,7 +204,10 @@ class Eager:
 
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
-        return _forward_backward(self.model, batch, seed, self.precision.compute, self.scaler, self.opt)
+        return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
+
+    def on_device(self, batch):
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
 
     def rounding_noise(self, batch, seed: int, loss: torch.Tensor) -> tuple[dict[str, float], float, str | None]:
         """Eager's own error of each gradient just computed, max|eager - float64| (float32's, or
@@ -212,7 +216,7 @@ class Eager:
         try:
             twin = copy.deepcopy(self.model).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
-            loss64 = _forward_backward(twin, tree_map(_to_double, batch), seed)
+            loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
         same = SAME_FUNCTION if self.precision.compute == Precision.FP32 else SAME_FUNCTION_LOW
@@ -250,7 +254,8 @@ class Eager:
 def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Precision = Precision.FP32,
                       scaler: LossScaler | None = None, opt=None) -> torch.Tensor:
     torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
-    with autocast(precision):
+    device = next(model.parameters(), torch.empty(0)).device
+    with autocast(precision, device.type):
         loss = model(*batch)
     if scaler is None:
         loss.backward()
@@ -281,7 +286,8 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             runner.logical_params(), runner.logical_states(), runner.replica_spread()
         return None
     report = CheckReport(tolerance=tolerance)
-    eager = Eager(source, optimizer, seed, plan.precision)
+    device = runner.backend.device
+    eager = Eager(source, optimizer, seed, plan.precision, device)
     eager_state = dict(eager.named) | dict(eager.model.named_buffers())
     init = Deviation()
     for name, t in weights.items():
@@ -292,7 +298,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             eager_state[name].copy_(t)
     free = None
     if free_running:
-        free, report.free = Eager(source, optimizer, seed, plan.precision), FreeRunning()
+        free, report.free = Eager(source, optimizer, seed, plan.precision, device), FreeRunning()
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
@@ -369,15 +375,17 @@ def check_worker(payload: dict) -> CheckReport | None:
     from sbpc.runtime.plan import load_plan
 
     plan = load_plan(payload["plan"])
-    comm = init_distributed(plan, timeout=payload["timeout"])
-    runner = make_runner(plan, make_backend("cpu", comm, comm.topology), seed=payload["seed"])
+    backend = payload.get("backend", "cpu")
+    comm = init_distributed(plan, timeout=payload["timeout"], backend=backend)
+    runner = make_runner(plan, make_backend(backend, comm, comm.topology), seed=payload["seed"])
     source = load_model(plan.model.path, dict(plan.model.sets)) if comm.topology.rank == 0 else None
     return run_check(plan, source, runner, payload["optimizer"], steps=payload["steps"], seed=payload["seed"],
                      tolerance=payload["tolerance"], free_running=payload["free_running"])
 
 
 def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: int, tolerance: float,
-                   timeout: float = 300, free_running: bool = False, ranks: str = "processes") -> CheckReport:
+                   timeout: float = 300, free_running: bool = False, ranks: str = "processes",
+                   backend: str = "cpu") -> CheckReport:
     """Run ``check_worker`` on one local process per device of the plan's mesh (gloo), or with
     ``ranks="threads"`` on one thread per device of this process (``runtime.threads``)."""
     import os
@@ -390,6 +398,6 @@ def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: 
         path = os.path.join(tmp, "plan.json")
         save_plan(plan, path)
         payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout,
-                       free_running=free_running)
+                       free_running=free_running, backend=backend)
         return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout,
                       ranks=ranks)[0]

@@ -1,0 +1,130 @@
+"""The cuda backend: the plan's ATen ops as torch CUDA kernels; across ranks, NCCL through CuPy
+(``runtime.nccl``). One process per GPU; ``LOCAL_RANK`` picks the device.
+
+UNVERIFIED ON A GPU: written against torch's and CuPy's documented APIs and never run on one
+(docs/runtime.md#the-cuda-backend). What runs without a GPU is the refusal
+(``require_cuda``: one line, exit 2) and the pure parts of ``runtime.nccl``.
+
+The init program runs on the CPU (``host_backend``) and its tensors move to the GPU: so the
+weights are those of ``torch.manual_seed(seed); build_model()`` bit for bit, as on cpu (a CUDA
+generator draws other numbers). Attention is torch's memory-efficient kernel (any float dtype,
+fp32 included); it takes no dropout here, because the plan's attention passes no philox seed
+from the forward to the backward.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+
+from sbpc.errors import PlanError, UsageError
+from sbpc.runtime import collectives
+from sbpc.runtime.backend import Backend, Communicator
+from sbpc.runtime.cpu import shard_op_kernels
+from sbpc.runtime.rng import RANDOM_SHARD, random_shard
+from sbpc.runtime.topology import Topology
+
+aten = torch.ops.aten
+INSTALL_HINT = ("run on a machine with an NVIDIA GPU and a CUDA build of torch "
+                "(pip install -e '.[cuda]' adds CuPy and NCCL), or use --backend cpu")
+
+
+def require_cuda(ranks: int = 1) -> None:
+    """Refuse ``--backend cuda`` before anything starts when this machine cannot run it: no GPU
+    visible to torch, fewer GPUs than local ranks, or (on more than one rank) no CuPy/NCCL."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise UsageError(f"--backend cuda needs an NVIDIA GPU, and torch {torch.__version__} ({build}) sees none",
+                         hint=INSTALL_HINT)
+    if ranks > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        if torch.cuda.device_count() < local:
+            raise UsageError(f"--backend cuda runs one rank per GPU: {local} local ranks, "
+                             f"{torch.cuda.device_count()} GPUs visible",
+                             hint="set CUDA_VISIBLE_DEVICES, or compile the plan for as many devices as there are GPUs")
+        from sbpc.runtime.nccl import load_nccl
+
+        load_nccl()
+
+
+def local_device() -> torch.device:
+    """This rank's GPU: ``cuda:LOCAL_RANK`` (0 when no launcher set it)."""
+    require_cuda()
+    index = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"LOCAL_RANK={index} but only {torch.cuda.device_count()} GPUs are visible",
+                         hint="start one rank per GPU (torchrun --nproc-per-node <GPUs>)")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _bias(mask, q):
+    """An attention mask as the additive float bias the memory-efficient kernel takes."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise PlanError(f"attention dropout (p={dropout_p:g}) on the cuda backend",
+                        hint="the plan's attention carries no philox seed from forward to backward; set the model's "
+                             "attention dropout to 0 or run on --backend cpu")
+
+
+def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
+    """``sbpc.attention`` -> (output, logsumexp); the logsumexp only feeds the backward."""
+    _no_dropout(dropout_p)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, _bias(attn_mask, q), True, 0.0, is_causal, scale=scale)
+    return out, lse
+
+
+def attention_backward(grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
+    """``sbpc.attention_backward`` -> (grad q, grad k, grad v)."""
+    _no_dropout(dropout_p)
+    bias = _bias(attn_mask, q)
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
+    gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+    return gq, gk, gv
+
+
+def _random_shard(backend, *args, draw=None, **kwargs):
+    if draw is not None:  # a pipelined plan replays the CPU generator's states (runtime/rng.py)
+        raise PlanError("a random op in a pipelined plan on the cuda backend",
+                        hint="the replay of random draws records the CPU generator only; run pipelined plans with "
+                             "random ops on --backend cpu, or drop the dropout")
+    return random_shard(backend, *args, **kwargs)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, communicator: Communicator, topology: Topology | None = None, device: torch.device | None = None):
+        self.device = device if device is not None else getattr(communicator, "device", None) or local_device()
+        super().__init__(communicator, topology)
+
+    def kernels(self):
+        table = {
+            "sbpc.attention": attention,
+            "sbpc.attention_backward": attention_backward,
+            "sbpc.constant": partial(constant, device=self.device),
+        }
+        table.update({op: partial(fn, self) for op, fn in shard_op_kernels().items()})
+        table[RANDOM_SHARD] = partial(_random_shard, self)
+        table.update({op: partial(fn, self) for op, fn in collectives.KERNELS.items()})
+        return table
+
+    def host_backend(self) -> Backend:
+        """Where the init program runs: the CPU, so the weights are eager's bit for bit."""
+        from sbpc.runtime.backend import LocalCommunicator
+        from sbpc.runtime.cpu import CpuBackend
+
+        return CpuBackend(LocalCommunicator())
+
+
+def constant(values, shape, dtype, *, device):
+    return torch.tensor(values, dtype=dtype, device=device).reshape(shape)
