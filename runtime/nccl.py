@@ -112,6 +112,26 @@ class NcclWork:
         return self.wait()
 
 
+class _Ready:
+    """A collective over one rank: its result is its input."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class _HostWork:
+    """A blocking host call the watchdog bounds (a communicator's setup)."""
+
+    def __init__(self, spec: CommSpec, op: str):
+        self.spec, self.op, self.started, self.finished = spec, op, time.monotonic(), False
+
+    def done(self) -> bool:
+        return self.finished
+
+
 class _Group:
     """One CuPy NCCL communicator and its stream."""
 
@@ -135,8 +155,8 @@ class NcclCommunicator(Communicator):
         self.pairs: dict[tuple[int, int], _Group] = {}  # point to point, by (src, dst)
         self.watchdog = watchdog or Watchdog(self.rank, timeout, abort=self.abort, peer_failure=self._peer_failure,
                                              async_error=self._async_error)
+        self.watchdog.start()  # before the setup: ncclCommInitRank blocks until every member calls it
         self._make_communicators()
-        self.watchdog.start()
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -146,11 +166,15 @@ class NcclCommunicator(Communicator):
         cupy.cuda.Device(self.device.index).use()  # NCCL binds a communicator to the current device
         for spec in mine(communicator_specs(self.topology), self.rank):
             uid = exchange_unique_id(self.store, spec, self.rank, self.nccl.get_unique_id, timeout=self.timeout)
+            setup = _HostWork(spec, "NCCL setup")
+            self.watchdog.track(setup)  # a member that never joins: the watchdog ends this rank, naming it
             try:
                 handle = self.nccl.NcclCommunicator(len(spec.ranks), uid, spec.ranks.index(self.rank))
             except Exception as err:
                 raise RuntimeFailure(f"NCCL setup of {spec.what} failed on rank {self.rank}: {type(err).__name__}: {err}",
                                      hint="NCCL_DEBUG=INFO shows why; every rank must reach this point") from err
+            finally:
+                setup.finished = True
             group = _Group(spec, handle, torch.cuda.Stream(self.device))
             if spec.axis is None:
                 self.pairs[(spec.ranks[0], spec.ranks[1])] = group
@@ -271,6 +295,23 @@ class NcclCommunicator(Communicator):
 
         return self._issue("all_to_all", g, [src], [out], call, out, finish=lay.finish)
 
+    def start(self, kind: str, t, group, **kw):
+        """``kind`` (all_reduce, all_gather, reduce_scatter, all_to_all) issued without waiting;
+        the work's ``wait()`` gives the result (the overlap's asynchronous interface)."""
+        if len(group) == 1:
+            return _Ready(t)
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            raise PlanError(f"no asynchronous {kind} on NCCL", hint="the plan is corrupt or from a newer sbpc")
+        return getattr(self, f"{kind}_async")(t, group, **kw)
+
+    def post_recv(self, shape, dtype, peer, tag=0, what="recv"):
+        """A receive posted now on the pair's stream (before its task runs); ``wait()`` gives it."""
+        g = self._pair(what, peer, self.rank)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        kind, _ = self._enum(dtype)
+        frm = g.spec.ranks.index(peer)
+        return self._issue(what, g, [], [out], lambda s: g.handle.recv(out.data_ptr(), out.numel(), kind, frm, s), out)
+
     # --- the Communicator interface ----------------------------------------------------------
 
     def all_reduce(self, t, group, op="sum"):
@@ -302,12 +343,7 @@ class NcclCommunicator(Communicator):
         return self._issue(what, g, [src], [], lambda s: g.handle.send(src.data_ptr(), src.numel(), dtype, to, s), None)
 
     def recv(self, shape, dtype, peer, tag=0, what="recv"):
-        g = self._pair(what, peer, self.rank)
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        kind, _ = self._enum(dtype)
-        frm = g.spec.ranks.index(peer)
-        return self._issue(what, g, [], [out], lambda s: g.handle.recv(out.data_ptr(), out.numel(), kind, frm, s),
-                           out).wait()
+        return self.post_recv(shape, dtype, peer, tag, what).wait()
 
     def broadcast(self, t, src):
         if self.world_size == 1:

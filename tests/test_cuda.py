@@ -8,6 +8,7 @@ the `[cuda]` extra. The tests marked ``cuda`` need a GPU and skip, with the reas
 from __future__ import annotations
 
 import argparse
+import ctypes
 import threading
 import time
 import tomllib
@@ -366,6 +367,260 @@ def test_watchdog_thread_ends_a_process_the_abort_did_not_free():
         time.sleep(0.01)
     dog.stop()
     assert stuck and "no answer from rank 1" in str(stuck[0])
+
+
+# --- the whole NcclCommunicator over a fake NCCL (threads as ranks, CPU memory) -----------
+# What this covers: the communicator's own logic (which communicator a call uses, the NCCL
+# ranks and counts it passes, the layouts, grouped sends, pairs per direction) on CPU. What it
+# cannot: CuPy's real signatures, CUDA streams and events (faked as no-ops), NCCL itself.
+
+class FakeFabric:
+    """NCCL's semantics on host memory: communicators meet by unique id; a collective waits for
+    every member's call with the same sequence number; sends go to a mailbox per (comm, src, dst)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.members: dict[tuple, dict[int, "FakeHandle"]] = {}
+        self.calls: dict[tuple, dict[int, tuple]] = {}
+        self.mail: dict[tuple, list] = {}
+
+
+DTYPE_OF = {e.value: d for d, e in NCCL_TYPES.items() if d != torch.bool}
+
+
+def _read(ptr, count, dtype):
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(bytearray(ctypes.string_at(ptr, nbytes)), dtype=dtype).clone()
+
+
+def _write(ptr, t):
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    ctypes.memmove(ptr, data, len(data))
+
+
+class FakeHandle:
+    def __init__(self, fabric, n, uid, rank):
+        self.fabric, self.n, self.uid, self.rank, self.seq = fabric, n, tuple(uid), rank, 0
+        self.grouped = None
+        with fabric.cond:  # ncclCommInitRank: blocks until every member called it
+            fabric.members.setdefault(self.uid, {})[rank] = self
+            fabric.cond.notify_all()
+            assert fabric.cond.wait_for(lambda: len(fabric.members[self.uid]) == n, timeout=10), "init never met"
+
+    def _meet(self, what, payload):
+        key = (self.uid, self.seq, what)
+        self.seq += 1
+        f = self.fabric
+        with f.cond:
+            f.calls.setdefault(key, {})[self.rank] = payload
+            f.cond.notify_all()
+            assert f.cond.wait_for(lambda: len(f.calls[key]) == self.n, timeout=10), f"{what} never met"
+            return dict(f.calls[key])
+
+    def allReduce(self, send, recv, count, dtype, op, stream):
+        parts = self._meet("allReduce", _read(send, count, DTYPE_OF[dtype]))
+        stacked = torch.stack([parts[r] for r in range(self.n)])
+        _write(recv, stacked.sum(0) if op == 0 else stacked.amax(0))
+
+    def allGather(self, send, recv, count, dtype, stream):
+        parts = self._meet("allGather", _read(send, count, DTYPE_OF[dtype]))
+        _write(recv, torch.cat([parts[r] for r in range(self.n)]))
+
+    def reduceScatter(self, send, recv, count, dtype, op, stream):
+        parts = self._meet("reduceScatter", _read(send, count * self.n, DTYPE_OF[dtype]))
+        total = torch.stack([parts[r] for r in range(self.n)]).sum(0)
+        _write(recv, total[self.rank * count:(self.rank + 1) * count])
+
+    def send(self, send, count, dtype, peer, stream):
+        item = ("send", _read(send, count, DTYPE_OF[dtype]), peer)
+        if self.grouped is not None:
+            self.grouped.append(item)
+        else:
+            self._post(*item[1:])
+
+    def recv(self, recv, count, dtype, peer, stream):
+        item = ("recv", (recv, count, dtype), peer)
+        if self.grouped is not None:
+            self.grouped.append(item)
+        else:
+            self._take(*item[1:])
+
+    def _post(self, data, peer):
+        with self.fabric.cond:
+            self.fabric.mail.setdefault((self.uid, self.rank, peer), []).append(data)
+            self.fabric.cond.notify_all()
+
+    def _take(self, where, peer):
+        recv, count, dtype = where
+        box = (self.uid, peer, self.rank)
+        with self.fabric.cond:
+            assert self.fabric.cond.wait_for(lambda: self.fabric.mail.get(box), timeout=10), "recv never matched"
+            data = self.fabric.mail[box].pop(0)
+        assert data.numel() == count and data.dtype == DTYPE_OF[dtype], "send and recv disagree"
+        _write(recv, data)
+
+    def flush(self):
+        items, self.grouped = self.grouped, None
+        for kind, payload, peer in items:  # a group call: every send first, then the receives
+            if kind == "send":
+                self._post(payload, peer)
+        for kind, payload, peer in items:
+            if kind == "recv":
+                self._take(payload, peer)
+
+    def abort(self):
+        pass
+
+    def destroy(self):
+        pass
+
+    def check_async_error(self):
+        pass
+
+
+class FakeNccl:
+    """The slice of ``cupy.cuda.nccl`` the communicator calls."""
+    NCCL_FLOAT32 = 7
+
+    def __init__(self):
+        self.fabric, self.local = FakeFabric(), threading.local()
+        self.counter = iter(range(1, 10 ** 6))
+
+    def get_unique_id(self):
+        k = next(self.counter)
+        return tuple(((k * 7 + i) % 256) - 128 for i in range(128))
+
+    def NcclCommunicator(self, n, uid, rank):  # noqa: N802 - CuPy's name
+        handle = FakeHandle(self.fabric, n, uid, rank)
+        self.local.handles = getattr(self.local, "handles", []) + [handle]
+        return handle
+
+    def groupStart(self):  # noqa: N802
+        for h in self.local.handles:
+            h.grouped = []
+
+    def groupEnd(self):  # noqa: N802
+        for h in self.local.handles:
+            h.flush()
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import contextlib
+    import sys
+    import types
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(use=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return FakeNccl()
+
+
+def _on_fake_ranks(fake, axes, body, world):
+    """``body(comm)`` on every rank of ``axes``, each rank a thread with its NcclCommunicator."""
+    from sbpc.runtime.nccl import NcclCommunicator
+
+    master = _store(world)
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            comm = NcclCommunicator(Topology(axes, rank), torch.device("cpu"), store=_client(master), timeout=10,
+                                    nccl=fake)
+            try:
+                results[rank] = body(comm)
+            finally:
+                comm.close()
+        except Exception as err:  # noqa: BLE001
+            errors.append((rank, err))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_nccl_communicator_collectives_on_a_dp_tp_mesh(fake_cuda):
+    axes = (("dp", 2), ("tp", 2))
+
+    def x_of(rank):
+        return torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1)
+
+    def body(comm):
+        tp, dp = comm.topology.group("tp"), comm.topology.group("dp")
+        x = x_of(comm.rank)
+        return {"sum": comm.all_reduce(x, tp), "max": comm.all_reduce(-x, dp, "max"),
+                "gather": comm.all_gather(x, tp, 1), "scatter": comm.reduce_scatter(x, dp, 0),
+                "a2a": comm.all_to_all(x, tp, 1, 0), "bf16": comm.all_reduce(x.bfloat16(), tp),
+                "async": comm.start("all_gather", x, dp, dim=0).wait(), "alone": comm.all_reduce(x, (comm.rank,))}
+
+    out = _on_fake_ranks(fake_cuda, axes, body, 4)
+    topo = Topology(axes, 0)
+    for r, got in out.items():
+        t = Topology(axes, r)
+        tp, dp = t.group("tp"), t.group("dp")
+        assert torch.equal(got["sum"], sum(x_of(m) for m in tp))
+        assert torch.equal(got["max"], torch.stack([-x_of(m) for m in dp]).amax(0))
+        assert torch.equal(got["gather"], torch.cat([x_of(m) for m in tp], dim=1))
+        assert torch.equal(got["scatter"], sum(x_of(m) for m in dp).chunk(2, dim=0)[dp.index(r)])
+        assert torch.equal(got["a2a"], torch.cat([x_of(m).chunk(2, dim=1)[tp.index(r)] for m in tp], dim=0))
+        assert torch.equal(got["bf16"], sum(x_of(m) for m in tp).bfloat16())
+        assert torch.equal(got["async"], torch.cat([x_of(m) for m in dp], dim=0))
+        assert torch.equal(got["alone"], x_of(r))
+    assert topo.world_size == 4
+
+
+def test_nccl_communicator_transfers_both_ways_between_stages(fake_cuda):
+    axes = (("pp", 2), ("dp", 1))
+
+    def body(comm):
+        peer = 1 - comm.rank
+        mine = torch.full((3, 2), float(comm.rank + 10))
+        handle = comm.send(mine, peer, tag=1, what=f"activation to {peer}")
+        early = comm.post_recv([3, 2], torch.float32, peer)
+        got = early.wait()
+        handle.wait()
+        return got
+
+    out = _on_fake_ranks(fake_cuda, axes, body, 2)
+    assert torch.equal(out[0], torch.full((3, 2), 11.0)) and torch.equal(out[1], torch.full((3, 2), 10.0))
+
+
+def test_nccl_communicator_refuses_a_group_it_has_not(fake_cuda):
+    def body(comm):
+        with pytest.raises(PlanError, match=r"all_reduce over ranks \(0, 3\): rank 0 has no NCCL communicator"):
+            comm.all_reduce(torch.ones(2), (0, 3))
+        with pytest.raises(PlanError, match="no NCCL communicator for rank 0 -> rank 1"):
+            comm.send(torch.ones(2), 1)  # no pp axis: no transfers
+        return True
+
+    assert _on_fake_ranks(fake_cuda, (("dp", 2),), lambda c: body(c) if c.rank == 0 else True, 2) == {0: True, 1: True}
 
 
 # --- install --------------------------------------------------------------------------------
