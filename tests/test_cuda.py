@@ -101,6 +101,33 @@ def test_rank_threads_refuse_cuda():
         launch_threads(2, target, {}, timeout=10)
 
 
+@no_gpu
+def test_gpu_check_fails_loudly_without_a_gpu(monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr("sys.argv", ["gpu_check.py"])
+    assert gpu_check.main() == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"gpu_check: FAIL: no CUDA GPU visible to torch {torch.__version__} (CUDA build: none); "
+                   "this check needs one GPU and a CUDA build of torch"]
+
+
+def test_gpu_check_counts_model_flops_as_megatron_does():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cfg = dict(layers=24, hidden=2048, vocab=51200, seq=2048)
+    params = 12 * 24 * 2048 ** 2  # the layers' weights, without embeddings
+    # 6 N tokens for the matmuls of the layers, plus attention and the logits (Narayanan et al. 2021, eq. 3)
+    want = 6 * params * 8 * 2048 * (1 + 2048 / (6 * 2048) + 51200 / (12 * 24 * 2048))
+    assert gpu_check.model_flops(cfg, 8) == pytest.approx(want, rel=1e-12)
+
+
 # --- the dtype table ------------------------------------------------------------------------
 
 # ncclDataType_t in nccl.h: a second statement of it, not a copy of the table's own lookups
