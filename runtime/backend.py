@@ -1,8 +1,9 @@
 """The backend interface: kernels plus a communicator.
 
 The executor only talks to a ``Backend``: it asks for the kernel of an op name and for the
-communicator of the run. ``cpu`` is torch CPU + gloo; ``cuda`` (torch CUDA kernels + NCCL via
-CuPy) plugs in by implementing the same two pieces, without touching the executor.
+communicator of the run. ``cpu`` is torch CPU + gloo; ``cuda`` (``runtime/cuda.py``: torch CUDA
+kernels, ``runtime/nccl.py``: NCCL via CuPy; never run on a GPU yet) implements the same two
+pieces, without touching the executor.
 """
 from __future__ import annotations
 
