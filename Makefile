@@ -24,8 +24,10 @@ demo: setup
 	$(SBPC) inspect out/gpt.tp2.json --collectives | grep -E 'fwd|bwd|^//'
 	$(SBPC) explain out/gpt.tp2.json h.0.attn.c_attn.weight
 
+# One pytest worker per core (pytest-xdist); a test file stays on one worker, so its module
+# fixtures (the fuzz corpus, the compiled plans) are built once.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # The whole op-database sweep (every OpInfo sample, every signature): deselected from `make test` for time.
 test-sweep: setup
