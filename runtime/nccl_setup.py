@@ -146,22 +146,29 @@ def all_to_all_layout(t: torch.Tensor, n: int, split_dim: int, concat_dim: int) 
 # --- the unique id over the rendezvous store -------------------------------------------------
 
 def encode_id(uid) -> bytes:
-    """``nccl.get_unique_id()`` is 128 C chars as signed ints (-128..127); the store holds bytes."""
-    return bytes((int(b) + 256) % 256 for b in uid)
+    """``nccl.get_unique_id()`` as the store's bytes. CuPy has given it as a tuple of 128 signed
+    C chars (-128..127) and, in newer releases, as ``bytes`` (``NcclCommunicator(ndev, bytes
+    commId, rank)``); a first byte records which, so every member hands its CuPy the leader's form."""
+    if isinstance(uid, (bytes, bytearray)):
+        return b"B" + bytes(uid)
+    return b"T" + bytes((int(b) + 256) % 256 for b in uid)
 
 
-def decode_id(data: bytes) -> tuple[int, ...]:
-    return tuple(b - 256 if b > 127 else b for b in data)
+def decode_id(data: bytes) -> tuple[int, ...] | bytes:
+    form, raw = data[:1], data[1:]
+    if form == b"B":
+        return bytes(raw)
+    return tuple(b - 256 if b > 127 else b for b in raw)
 
 
-def exchange_unique_id(store, spec: CommSpec, rank: int, make_id: Callable[[], tuple[int, ...]], *,
-                       timeout: float, poll: float = 0.05) -> tuple[int, ...]:
+def exchange_unique_id(store, spec: CommSpec, rank: int, make_id: Callable[[], tuple[int, ...] | bytes], *,
+                       timeout: float, poll: float = 0.05) -> tuple[int, ...] | bytes:
     """The unique id of ``spec``'s communicator: its first rank makes it (``make_id``) and writes
     it to the store; the others wait for it, at most ``timeout`` seconds, and fail naming that
     rank when it reported a failure or never wrote the id."""
     key, leader = ID_KEY.format(spec.key), spec.ranks[0]
     if rank == leader:
-        uid = tuple(make_id())
+        uid = make_id()
         store.set(key, encode_id(uid))
         return uid
     deadline = time.monotonic() + timeout

@@ -255,11 +255,13 @@ def test_all_to_all_layout_sends_chunk_j_to_member_j(split_dim, concat_dim):
 
 # --- the unique id over a real TCPStore ----------------------------------------------------
 
-def test_unique_id_bytes_round_trip():
-    uid = tuple(range(-128, 128, 2))  # get_unique_id: 128 signed chars
-    assert len(encode_id(uid)) == 128 and decode_id(encode_id(uid)) == uid
+def test_unique_id_round_trips_in_both_of_cupys_forms():
+    uid = tuple(range(-128, 128, 2))  # older CuPy: 128 signed chars
+    assert len(encode_id(uid)) == 129 and decode_id(encode_id(uid)) == uid
     other = tuple((7 * i) % 256 - 128 for i in range(128))
     assert decode_id(encode_id(other)) == other
+    raw = bytes(range(128))  # newer CuPy: bytes
+    assert decode_id(encode_id(raw)) == raw and isinstance(decode_id(encode_id(raw)), bytes)
 
 
 def _store(world: int):
@@ -509,15 +511,17 @@ class FakeNccl:
     """The slice of ``cupy.cuda.nccl`` the communicator calls."""
     NCCL_FLOAT32 = 7
 
-    def __init__(self):
-        self.fabric, self.local = FakeFabric(), threading.local()
+    def __init__(self, form=tuple):
+        self.fabric, self.local, self.form = FakeFabric(), threading.local(), form
         self.counter = iter(range(1, 10 ** 6))
 
     def get_unique_id(self):
         k = next(self.counter)
-        return tuple(((k * 7 + i) % 256) - 128 for i in range(128))
+        uid = tuple(((k * 7 + i) % 256) - 128 for i in range(128))
+        return uid if self.form is tuple else bytes(b + 128 for b in uid)
 
     def NcclCommunicator(self, n, uid, rank):  # noqa: N802 - CuPy's name
+        assert isinstance(uid, self.form), f"this CuPy takes a {self.form.__name__} id, not {type(uid).__name__}"
         handle = FakeHandle(self.fabric, n, uid, rank)
         self.local.handles = getattr(self.local, "handles", []) + [handle]
         return handle
@@ -593,7 +597,9 @@ def _on_fake_ranks(fake, axes, body, world):
     return results
 
 
-def test_nccl_communicator_collectives_on_a_dp_tp_mesh(fake_cuda):
+@pytest.mark.parametrize("form", [tuple, bytes], ids=["older-cupy-tuple-id", "newer-cupy-bytes-id"])
+def test_nccl_communicator_collectives_on_a_dp_tp_mesh(fake_cuda, form):
+    fake_cuda.form = form
     axes = (("dp", 2), ("tp", 2))
 
     def x_of(rank):
