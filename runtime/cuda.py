@@ -7,9 +7,9 @@ UNVERIFIED ON A GPU: written against torch's and CuPy's documented APIs and neve
 
 The init program runs on the CPU (``host_backend``) and its tensors move to the GPU: so the
 weights are those of ``torch.manual_seed(seed); build_model()`` bit for bit, as on cpu (a CUDA
-generator draws other numbers). Attention is torch's memory-efficient kernel (any float dtype,
-fp32 included); it takes no dropout here, because the plan's attention passes no philox seed
-from the forward to the backward.
+generator draws other numbers). Attention is torch's flash kernel in fp16/bf16 without a mask,
+else the memory-efficient one (any float dtype, fp32 included); it takes no dropout here,
+because the plan's attention passes no philox seed from the forward to the backward.
 """
 from __future__ import annotations
 
@@ -74,9 +74,20 @@ def _no_dropout(dropout_p: float) -> None:
                              "attention dropout to 0 or run on --backend cpu")
 
 
+def _flash(q, attn_mask) -> bool:
+    """Whether the flash kernel takes this attention (half precision, no mask, a head dim it
+    supports, Ampere or newer); forward and backward decide alike from the same inputs."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
 def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
-    """``sbpc.attention`` -> (output, logsumexp); the logsumexp only feeds the backward."""
+    """``sbpc.attention`` -> (output, logsumexp); the logsumexp only feeds the backward. Flash
+    where it applies (as eager SDPA picks it), else the memory-efficient kernel."""
     _no_dropout(dropout_p)
+    if _flash(q, attn_mask):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention.default(
         q, k, v, _bias(attn_mask, q), True, 0.0, is_causal, scale=scale)
     return out, lse
@@ -85,10 +96,13 @@ def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
 def attention_backward(grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
     """``sbpc.attention_backward`` -> (grad q, grad k, grad v)."""
     _no_dropout(dropout_p)
-    bias = _bias(attn_mask, q)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
+    if _flash(q, attn_mask):  # not variable-length: no cumulative lengths, the max lengths are the shapes
+        return aten._scaled_dot_product_flash_attention_backward.default(
+            grad, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, seed, offset, scale=scale)
     gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
-        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+        grad, q, k, v, _bias(attn_mask, q), out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
+        scale=scale)
     return gq, gk, gv
 
 

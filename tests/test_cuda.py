@@ -128,6 +128,41 @@ def test_gpu_check_counts_model_flops_as_megatron_does():
     assert gpu_check.model_flops(cfg, 8) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype,mask,kernel", [(torch.float32, False, "efficient"), (torch.bfloat16, False, "flash"),
+                                               (torch.bfloat16, True, "efficient"), (torch.float16, False, "flash")])
+def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype, mask, kernel):
+    """On meta tensors (no GPU): the calls bind to the real ATen schemas, pick the kernel by the
+    same rule forward and backward, and give the shapes the plan expects."""
+    from sbpc.runtime import cuda
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    picked = []
+
+    class Spy:  # stands for torch.ops.aten in runtime/cuda.py, noting which attention it calls
+        def __getattr__(self, name):
+            real = getattr(torch.ops.aten, name)
+            if "_scaled_dot_product_" not in name:
+                return real
+            kind = "flash" if "flash" in name else "efficient"
+
+            def call(*a, **k):
+                picked.append(kind)
+                return real.default(*a, **k)
+
+            return type("Op", (), {"default": staticmethod(call)})
+
+    monkeypatch.setattr(cuda, "aten", Spy())
+    q, k, v = (torch.empty(2, 4, 40, 16, device="meta", dtype=dtype) for _ in range(3))
+    m = torch.ones(40, 40, dtype=torch.bool, device="meta").tril() if mask else None
+    out, lse = cuda.attention(q, k, v, 0.0, not mask, attn_mask=m)
+    grads = cuda.attention_backward(torch.empty_like(out), q, k, v, out, lse, 0.0, not mask, attn_mask=m)
+    assert picked == [kernel, kernel]
+    assert out.shape == q.shape and lse.shape[:3] == (2, 4, 40 if kernel == "flash" else 64)  # efficient pads to 32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    with pytest.raises(PlanError, match=r"attention dropout \(p=0.1\) on the cuda backend"):
+        cuda.attention(q, k, v, 0.1, True)
+
+
 # --- the dtype table ------------------------------------------------------------------------
 
 # ncclDataType_t in nccl.h: a second statement of it, not a copy of the table's own lookups
