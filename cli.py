@@ -200,6 +200,9 @@ def cmd_check(args) -> int:
 
     from sbpc.runtime.cli import check_backend
 
+    if args.backend != "cpu" and args.ranks == "threads":
+        raise UsageError(f"--ranks threads runs on the cpu backend only, not {args.backend}",
+                         hint=f"use --ranks processes (one process per GPU) with --backend {args.backend}")
     check_backend(args.backend, 1)  # a GPU at all, before the compile
     result, source, optimizer = _compile(args)
     check_backend(args.backend, result.plan.world_size)

@@ -89,6 +89,15 @@ def test_unknown_backend_names_the_known_ones():
         check_backend("rocm", 1)
 
 
+def test_sbpc_check_refuses_rank_threads_on_cuda(capsys, monkeypatch):
+    import sbpc.cli as cli
+
+    monkeypatch.setattr(cli, "_compile", lambda args: pytest.fail("compiled before refusing"))
+    assert cli.main(["check", "examples/mlp.py", "--backend", "cuda", "--ranks", "threads"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ranks threads runs on the cpu backend only, not cuda" in err[0]
+
+
 def test_rank_threads_refuse_cuda():
     from sbpc.runtime.thread_launch import launch_threads
 
