@@ -8,6 +8,7 @@ pieces, without touching the executor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import Callable
 
 import torch
@@ -157,6 +158,9 @@ class Backend(ABC):
         if kernel is None:
             raise PlanError(f"backend {self.name} has no kernel for op {op}",
                             hint="the plan was compiled by a newer torch or sbpc; recompile it here")
+        schema = kernel._schema
+        if schema.is_mutable and not schema.returns:  # _foreach_*_: the overwritten list is the result
+            return partial(_first_argument, kernel)
         return kernel
 
     @abstractmethod
@@ -167,6 +171,11 @@ class Backend(ABC):
         """The backend the init program runs on (the weights must be eager's CPU init bit for
         bit); the Runner moves its tensors to ``device``."""
         return self
+
+
+def _first_argument(kernel, first, *args, **kwargs):
+    kernel(first, *args, **kwargs)
+    return first
 
 
 def torch_op(op: str):

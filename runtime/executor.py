@@ -51,7 +51,8 @@ class Program:
 
     def _line(self, ins: Instruction) -> str:
         kernel = self.backend.kernel(ins.op)
-        self.kernels.append(kernel)
+        # an OpOverload's __call__ is one Python frame around its C++ operator: call that directly
+        self.kernels.append(getattr(kernel, "_op", kernel))
         args = [self._arg(a) for a in ins.args]
         args += [f"{k}={self._arg(v)}" for k, v in ins.kwargs.items()]
         schema = getattr(kernel, "_schema", None)

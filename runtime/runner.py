@@ -95,8 +95,10 @@ class Runner:
     def _load(self, weights, seed: int, params: set[str], buffers: set[str], states: set[str]) -> None:
         """This rank's shards of the named params and buffers, and zeroed optimizer states."""
         dev = self.backend.device
+        # the step overwrites parameters in place (the compiler's inplace pass): not a caller's tensors
         tensors = dict(weights) if weights is not None else init_weights(self.plan, self.backend, seed)
-        self.params = {p.name: self._shard(tensors.pop(p.name), p).to(dev) for p in self.plan.params if p.name in params}
+        self.params = {p.name: _owned(self._shard(tensors.pop(p.name), p).to(dev), weights)
+                       for p in self.plan.params if p.name in params}
         self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in self.plan.buffers if b.name in buffers}
         del tensors
         scaling = self.plan.precision.loss_scaling
@@ -146,8 +148,15 @@ class Runner:
         return {**self.params, **self.buffers}
 
     def logical_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter as its logical tensor. A collective: every rank must call it."""
-        return {p.name: self.gather(self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params}
+        """Every parameter as its logical tensor, a copy the next step does not overwrite. A
+        collective: every rank must call it."""
+        return {p.name: self._copy(self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params}
+
+    def _copy(self, t: torch.Tensor, nd: NdSbp) -> torch.Tensor:
+        """``gather``, and a copy where the gather returned this rank's own tensor (one device, B),
+        which the next step may overwrite in place."""
+        out = self.gather(t, nd)
+        return out.clone() if out is t else out
 
     def logical_weights(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as logical tensors (a state_dict). A collective: every rank must call it."""
@@ -157,7 +166,7 @@ class Runner:
     def logical_states(self) -> dict[str, torch.Tensor]:
         """Every optimizer state (the step counter included) as its logical tensor. A collective:
         every rank must call it."""
-        return {s.name: self.gather(self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}
+        return {s.name: self._copy(self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}
 
     def replica_spread(self) -> dict[str, float]:
         """For each parameter and optimizer state, the largest elementwise difference between the
@@ -206,6 +215,12 @@ class Runner:
             if list(t.shape) != spec.shape or str(t.dtype) != f"torch.{spec.dtype}":
                 raise RuntimeFailure(f"{spec.name} is {t.dtype} {list(t.shape)}, the plan was compiled for {spec.dtype} {spec.shape}",
                                      hint="recompile with the batch size and --set values used here")
+
+
+def _owned(t: torch.Tensor, given) -> torch.Tensor:
+    """A parameter the runner may overwrite: a copy of a caller's tensor (``weights=``), which
+    sharding and ``.to`` can hand back as is."""
+    return t.clone() if given is not None and any(t is w for w in given.values()) else t
 
 
 def batch_seed(seed: int, step: int) -> int:

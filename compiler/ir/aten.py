@@ -56,3 +56,13 @@ def functional_variant(op: str) -> str | None:
         if not candidate._schema.is_mutable and signature(candidate._schema) == args:
             return f"{ns}.{packet[:-1]}.{name}"
     return None
+
+
+def overwritten(n) -> list[str]:
+    """The values an in-place op of the step writes over (the ``inplace`` pass makes them): its
+    first argument, or for a ``_foreach_*_`` op the first list. Its results are those storages."""
+    if not is_mutating(n.op) or not n.args:
+        return []
+    first = n.args[0]
+    refs = first if isinstance(first, list) else [first]
+    return [r.name for r in refs] if refs and all(hasattr(r, "name") for r in refs) else []

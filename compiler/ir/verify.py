@@ -1,13 +1,14 @@
 """The IR verifier. It runs after every pass; a pass that breaks an invariant is caught here.
 
 Invariants: SSA (one definition per value, defined before use), one type per result, exactly
-one loss, gradients and updates name real params/states, no mutation outside the init region,
+one loss, gradients and updates name real params/states, outside the init region no mutation
+but of a value nothing reads later (the inplace pass's overwrites of dead optimizer values),
 placement all-or-nothing, and each nd-SBP has one entry per non-pp mesh axis with split dims
 inside the tensor's rank.
 """
 from __future__ import annotations
 
-from sbpc.compiler.ir.aten import is_mutating
+from sbpc.compiler.ir.aten import is_mutating, overwritten
 from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
 from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
@@ -16,6 +17,7 @@ from sbpc.errors import IRError
 def verify(graph: Graph, after: str = "") -> None:
     where = f" after pass {after!r}" if after else ""
     _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False)
+    _verify_overwrites(graph, where)
     _verify_region(graph.init, set(), where, allow_mutation=True)
     defined = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
     for out in graph.outputs:
@@ -37,13 +39,29 @@ def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutat
                 raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
         if len(n.types) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
-        if not allow_mutation and is_mutating(n.op):
+        if not allow_mutation and is_mutating(n.op) and not overwritten(n):
             raise IRError(f"{n.op} mutates a tensor in place, which a plan cannot express{where}", location=_loc(n),
                           hint="write the update out of place (x = x + y instead of x += y)")
         for o in n.outputs:
             if o in defined:
                 raise IRError(f"value %{o} is defined twice{where}", location=_loc(n))
             defined.add(o)
+
+
+def _verify_overwrites(graph: Graph, where: str) -> None:
+    """A value overwritten in place is read by nothing after it and is no graph output."""
+    outputs = {o.value for o in graph.outputs}
+    last: dict[str, int] = {}
+    for idx, n in enumerate(graph.nodes):
+        for u in n.uses():
+            last[u] = idx
+    for idx, n in enumerate(graph.nodes):
+        if not is_mutating(n.op):
+            continue
+        for v in overwritten(n):
+            if v in outputs or last.get(v, idx) > idx:
+                raise IRError(f"{n.op} overwrites %{v}, which is {'a graph output' if v in outputs else 'read later'}{where}",
+                              location=_loc(n), hint="only a value nothing reads afterwards may be updated in place")
 
 
 def _verify_signature(graph: Graph, where: str) -> None:

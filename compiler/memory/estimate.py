@@ -7,7 +7,8 @@ runtime exactly (`runtime/runner.py`, `runtime/pipeline.py`), so the estimate is
 the run, not a formula:
 
 - parameters, buffers and optimizer state are held for the whole step, and so are the old
-  ones after the (functional) update has written the new ones, until the step returns;
+  ones after a functional update has written the new ones, until the step returns; an update
+  made in place (the ``inplace`` pass) writes over the old storage, so its result costs nothing;
 - a one-program plan frees each value after its last use (a result nobody reads at once);
 - a pipelined stage runs its tasks in the plan's order. A task's results that later tasks
   read stay in the micro-batch's environment until the micro-batch's last task on the stage
@@ -26,7 +27,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sbpc.compiler.ir.aten import returns_alias
+from sbpc.compiler.ir.aten import overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.runtime.kinds import Collective
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
@@ -78,6 +79,11 @@ class Storages:
         for n in graph.nodes:
             sbps = n.sbp or [None] * len(n.outputs)
             firsts = [u for u in n.uses()]
+            over = overwritten(n)  # in place: each result is the storage it overwrote
+            if over and len(over) == len(n.outputs) and all(v in self.root for v in over):
+                for o, v in zip(n.outputs, over):
+                    self.root[o] = self.root[v]
+                continue
             if (returns_alias(n.op) or n.op in _VIEWS_TOO) and firsts and firsts[0] in self.root:
                 for o in n.outputs:
                     self.root[o] = self.root[firsts[0]]

@@ -8,6 +8,7 @@ from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
 from sbpc.compiler.passes.decompose import Decompose
+from sbpc.compiler.passes.inplace import InPlace
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
@@ -19,7 +20,7 @@ from sbpc.compiler.passes.stage_partition import StagePartition
 from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, MemoryPlan, Zero)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, InPlace, MemoryPlan, Zero)}
 
 
 @dataclass(frozen=True)
@@ -40,4 +41,4 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
-            MemoryPlan()]
+            InPlace(), MemoryPlan()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from sbpc.compiler.ir.aten import overwritten
 from sbpc.compiler.memory.estimate import estimate_memory
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
@@ -55,7 +56,8 @@ class MemoryPlan:
         dies = last_uses(graph)
         live = peak = 0
         for idx, n in enumerate(graph.nodes):
-            live += sum(nbytes[o] for o in n.outputs)
+            if not overwritten(n):  # an in-place result is the storage it overwrote
+                live += sum(nbytes[o] for o in n.outputs)
             peak = max(peak, live)
             live -= sum(nbytes[v] for v in dies.get(idx, ()) if v in nbytes)
         params = graph.inputs_of(InputKind.PARAM)
