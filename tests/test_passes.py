@@ -39,6 +39,13 @@ def test_valid_graph_verifies():
     ("""  %y = aten.add_.Tensor(%x, %x) : f32[2, 4] {role=fwd, loc="blk" @ "m.py":7}
   %l = aten.sum.default(%y) : f32[] {role=fwd}
   output loss %l "loss\"""", r"aten\.add_\.Tensor mutates a tensor in place.*\(at blk @ m\.py:7\)"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
+  %w2 = aten.mul_.Tensor(%w, 0.5) : f32[4, 4] {role=opt}
+  %u = aten.sum.default(%w) : f32[] {role=opt}
+  output loss %l "loss\"""", r"aten\.mul_\.Tensor overwrites %w, which is read later"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
+  %x2 = aten.mul_.Tensor(%x, 0.5) : f32[2, 4] {role=opt}
+  output loss %l "loss\"""", r"aten\.mul_\.Tensor mutates a tensor in place"),
     ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}""", r"graph has 0 loss outputs, expected exactly one"),
     (OK_BODY + """
   output grad %l "x\"""", r"gradient output names 'x', which is not a parameter"),
@@ -82,7 +89,7 @@ def test_print_after_and_dump_dir(tmp_path):
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-zero.sbpir", "06-stage-partition.sbpir", "07-sbp-propagate.sbpir", "08-boxing.sbpir",
                      "09-coalesce.sbpir", "10-recompute.sbpir", "11-localize.sbpir", "12-random-draws.sbpir",
-                     "13-schedule.sbpir", "14-memory-plan.sbpir"]
+                     "13-schedule.sbpir", "14-inplace.sbpir", "15-memory-plan.sbpir"]
     assert "stage=0" in (tmp_path / "06-stage-partition.sbpir").read_text()
 
 

@@ -16,7 +16,8 @@ from sbpc.errors import IRError
 
 def verify(graph: Graph, after: str = "") -> None:
     where = f" after pass {after!r}" if after else ""
-    _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False)
+    foreign = {i.value for i in graph.inputs if i.kind in (InputKind.BATCH, InputKind.BUFFER)}
+    _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False, foreign=foreign)
     _verify_overwrites(graph, where)
     _verify_region(graph.init, set(), where, allow_mutation=True)
     defined = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
@@ -31,7 +32,8 @@ def verify(graph: Graph, after: str = "") -> None:
     _verify_annotations(graph, where)
 
 
-def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutation: bool) -> None:
+def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutation: bool,
+                   foreign: set[str] = frozenset()) -> None:
     defined = set(defined)
     for n in nodes:
         for use in n.uses():
@@ -39,13 +41,20 @@ def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutat
                 raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
         if len(n.types) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
-        if not allow_mutation and is_mutating(n.op) and not overwritten(n):
+        if not allow_mutation and is_mutating(n.op) and not _update_overwrite(n, foreign):
             raise IRError(f"{n.op} mutates a tensor in place, which a plan cannot express{where}", location=_loc(n),
                           hint="write the update out of place (x = x + y instead of x += y)")
         for o in n.outputs:
             if o in defined:
                 raise IRError(f"value %{o} is defined twice{where}", location=_loc(n))
             defined.add(o)
+
+
+def _update_overwrite(n: Node, foreign: set[str]) -> bool:
+    """The one mutation a step may hold: an optimizer op overwriting values the step owns (not a
+    batch or a buffer); ``_verify_overwrites`` checks that nothing reads them afterwards."""
+    over = overwritten(n)
+    return n.role == Role.OPTIMIZER and bool(over) and not foreign.intersection(over)
 
 
 def _verify_overwrites(graph: Graph, where: str) -> None:

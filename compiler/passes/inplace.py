@@ -137,9 +137,10 @@ def _overwrite_dead(graph: Graph) -> list[Node]:
 def _inplace_variant(op: str) -> str | None:
     """``aten.mul.Tensor`` -> ``aten.mul_.Tensor``: the overload with the same arguments whose
     result is its first argument, overwritten."""
-    ns, packet, overload = op.split(".")
-    if ns != "aten" or packet.endswith("_") or packet.startswith("_"):
+    parts = op.split(".")
+    if len(parts) != 3 or parts[0] != "aten" or parts[1].endswith("_") or parts[1].startswith("_"):
         return None
+    ns, packet, overload = parts
     functional, inplace = torch_op(op), torch_op(f"{ns}.{packet}_.{overload}")
     if functional is None or inplace is None:
         return None
