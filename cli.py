@@ -205,7 +205,7 @@ def cmd_check(args) -> int:
                          hint=f"use --ranks processes (one process per GPU) with --backend {args.backend}")
     check_backend(args.backend, 1)  # a GPU at all, before the compile
     result, source, optimizer = _compile(args)
-    check_backend(args.backend, result.plan.world_size)
+    check_backend(args.backend, result.plan.world_size, result.plan)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
                                 timeout=args.timeout, ranks=args.ranks, free_running=args.free_running,

@@ -53,7 +53,7 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         if getattr(args, flag, None):
             check_output_path(getattr(args, flag), what)
     plan = load_plan(args.plan)
-    check_backend(getattr(args, "backend", "cpu"), plan.world_size)
+    check_backend(getattr(args, "backend", "cpu"), plan.world_size, plan)
     if plan.pipeline is not None:
         from sbpc.runtime.pipeline import check_order
 
@@ -74,15 +74,18 @@ def run_command(args: argparse.Namespace, out=None) -> int:
     return 0
 
 
-def check_backend(name: str, ranks: int) -> None:
-    """Refuse an unknown backend, or cuda on a machine that cannot run it, before any rank starts."""
+def check_backend(name: str, ranks: int, plan=None) -> None:
+    """Refuse an unknown backend, or cuda on a machine that cannot run it (or a plan it would
+    run wrong), before any rank starts."""
     from sbpc.runtime.backend import check_backend_name
 
     check_backend_name(name)
     if name == "cuda":
-        from sbpc.runtime.cuda import require_cuda
+        from sbpc.runtime.cuda import require_cuda, require_fifo_transfers
 
         require_cuda(ranks)
+        if plan is not None:
+            require_fifo_transfers(plan)
 
 
 def train(args: argparse.Namespace, plan, communicator, out) -> dict:

@@ -48,6 +48,19 @@ def require_cuda(ranks: int = 1) -> None:
         load_nccl()
 
 
+def require_fifo_transfers(plan) -> None:
+    """NCCL matches a pair's sends and receives in issue order (it has no tags): refuse a
+    pipelined plan whose stages would receive a pair's transfers in another order than sent."""
+    if plan.pipeline is None or plan.world_size == 1:
+        return
+    from sbpc.runtime.pipeline import fifo_mismatch
+
+    why = fifo_mismatch(plan)
+    if why is not None:
+        raise PlanError(f"this pipeline's transfers are not first-in first-out, which NCCL needs: {why}",
+                        hint="run it on --backend cpu (gloo matches transfers by tag), or recompile with another schedule")
+
+
 def local_device() -> torch.device:
     """This rank's GPU: ``cuda:LOCAL_RANK`` (0 when no launcher set it)."""
     require_cuda()

@@ -57,6 +57,43 @@ def check_order(plan: Plan, graph: TaskGraph | None = None) -> list[list[Task]]:
     return orders
 
 
+def transfer_sequences(plan: Plan) -> tuple[dict[tuple[int, int], list[tuple[str, int | None]]],
+                                             dict[tuple[int, int], list[tuple[str, int | None]]]]:
+    """Per (sending stage, receiving stage): the transfers (value, micro-batch) in the order the
+    sender issues its sends and in the order the receiver posts its receives, as
+    ``PipelineRunner.step`` walks its stage's order (receives before a task, sends after it)."""
+    graph, p = plan_task_graph(plan), plan.pipeline.stages
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for stage, order in enumerate(check_order(plan, graph)):
+        for task in order:
+            for it in graph.bodies[task.key].recvs:
+                if it.src % p != stage:
+                    received.setdefault((it.src % p, stage), []).append((it.outs[0], task.mb))
+            for snd in graph.sends.get(task.key, []):
+                if snd.dst_chunk % p != stage:
+                    sent.setdefault((stage, snd.dst_chunk % p), []).append((snd.out, task.mb))
+    return sent, received
+
+
+def fifo_mismatch(plan: Plan) -> str | None:
+    """Where a transport that matches a pair's sends and receives in issue order (NCCL: no
+    tags) would hand a receive the wrong tensor: the first pair and position whose sent and
+    received transfers differ, or None when every pair is first-in first-out."""
+    if plan.pipeline is None:
+        return None
+    sent, received = transfer_sequences(plan)
+    for pair in sorted(set(sent) | set(received)):
+        a, b = sent.get(pair, []), received.get(pair, [])
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return (f"stage {pair[0]} -> stage {pair[1]}: transfer {i} is sent as %{x[0]} of micro-batch {x[1]} "
+                        f"but received as %{y[0]} of micro-batch {y[1]}")
+        if len(a) != len(b):
+            return f"stage {pair[0]} -> stage {pair[1]}: {len(a)} sends but {len(b)} receives"
+    return None
+
+
 class PipelineRunner(Runner):
     def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
         self._bind(plan, backend)

@@ -732,6 +732,39 @@ def test_the_cuda_backend_trains_a_2x2_plan_over_the_fake_nccl(fake_cuda):
     assert "allReduce" in kinds, kinds  # the gradients and the loss went through the fake NCCL
 
 
+def test_pipelined_transfers_are_fifo_per_pair_and_a_plan_that_is_not_is_refused():
+    """NCCL matches a pair's transfers in issue order: the compiler's interleaved schedule is
+    first-in first-out per (sender, receiver); an order that receives micro-batch 1 before 0 is
+    refused for cuda, naming the pair and the transfer."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime.cuda import require_fifo_transfers
+    from sbpc.runtime.kinds import ScheduleName
+    from sbpc.runtime.pipeline import fifo_mismatch, transfer_sequences
+
+    plan = compile_model(load_model("examples/gpt.py", {"layers": 4}), parse_mesh("1x1x2"), batch_size=4,
+                         optimizer=OptimizerConfig(),
+                         pipeline=PipelineOptions(ScheduleName.INTERLEAVED, virtual_stages=2, microbatches=2)).plan
+    sent, received = transfer_sequences(plan)
+    assert set(sent) == {(0, 1), (1, 0)} and sent == received
+    assert fifo_mismatch(plan) is None
+    require_fifo_transfers(plan)
+    # stage 1 runs its first forward of micro-batch 1 before that of micro-batch 0
+    order = [list(stage) for stage in plan.pipeline.order]
+    first = [i for i, t in enumerate(order[1]) if t.phase == "fwd" and t.chunk == 1]
+    i, j = first[0], first[1]
+    assert (order[1][i].mb, order[1][j].mb) == (0, 1)
+    order[1][i], order[1][j] = order[1][j], order[1][i]
+    swapped = plan.model_copy(update={"pipeline": plan.pipeline.model_copy(update={"order": order})})
+    why = fifo_mismatch(swapped)
+    assert why is not None and why.startswith("stage 0 -> stage 1: transfer 0 is sent as %") and "micro-batch 0" in why
+    with pytest.raises(PlanError, match="not first-in first-out, which NCCL needs: stage 0 -> stage 1"):
+        require_fifo_transfers(swapped)
+
+
 # --- install --------------------------------------------------------------------------------
 
 def test_the_cuda_extra_and_a_cpu_install_without_cupy():
