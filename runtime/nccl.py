@@ -396,11 +396,11 @@ class NcclCommunicator(Communicator):
         return self._issue("send/recv to self", g, [src], [out], call, out).wait()
 
 
-def self_communicator(device: torch.device, *, timeout: float = 60.0) -> NcclCommunicator:
+def self_communicator(device: torch.device, *, timeout: float = 60.0, nccl=None) -> NcclCommunicator:
     """A one-rank communicator whose group ``(0,)`` is a real one-rank NCCL communicator (a mesh
     never makes one: its collectives are the identity), so one GPU can run NCCL's calls: the
     GPU check (bench/gpu_check.py) uses it."""
-    nccl = load_nccl()
+    nccl = nccl or load_nccl()
     comm = NcclCommunicator(Topology((), 0), device, store=None, timeout=timeout, nccl=nccl)
     spec = CommSpec((0,), "self")
     comm.groups[(0,)] = _Group(spec, nccl.NcclCommunicator(1, nccl.get_unique_id(), 0), torch.cuda.Stream(device))

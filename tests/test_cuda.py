@@ -700,6 +700,23 @@ def test_nccl_communicator_refuses_a_group_it_has_not(fake_cuda):
     assert _on_fake_ranks(fake_cuda, (("dp", 2),), lambda c: body(c) if c.rank == 0 else True, 2) == {0: True, 1: True}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_checks_one_rank_communicator_over_the_fake_nccl(fake_cuda, dtype):
+    """What bench/gpu_check.py runs on NCCL at world size 1, here over the fake: every
+    collective of a one-rank group is its input, and the grouped send to itself arrives."""
+    from sbpc.runtime.nccl import self_communicator
+
+    comm = self_communicator(torch.device("cpu"), nccl=fake_cuda)
+    try:
+        x = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dtype)
+        for got in (comm.all_reduce_async(x, (0,)).wait(), comm.all_reduce_async(x, (0,), "max").wait(),
+                    comm.all_gather_async(x, (0,), 1).wait(), comm.reduce_scatter_async(x, (0,), 0).wait(),
+                    comm.all_to_all_async(x, (0,), 1, 0).wait(), comm.self_transfer(x)):
+            assert got.dtype == dtype and torch.equal(got, x)
+    finally:
+        comm.close()
+
+
 def test_the_cuda_backend_trains_a_2x2_plan_over_the_fake_nccl(fake_cuda):
     """The cuda code path end to end without a GPU: CudaBackend (its kernel table, the CPU init,
     the collectives bound to it) over NcclCommunicator (fake NCCL, CPU tensors), four ranks as
