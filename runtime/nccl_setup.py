@@ -194,9 +194,9 @@ def _secondary(message: str, peer: int | None, *, timed_out: bool = False) -> Ru
 class Watchdog:
     """Turns a hang into an error. ``track(work)`` registers a work with ``done()``, ``started``,
     ``op`` and ``spec``; every ``poll`` seconds the thread drops finished works and fails the run
-    when the oldest pending one is older than ``timeout``, a peer of a pending work reported a
-    failure (``peer_failure(ranks) -> (rank, message) | None``) or ``async_error()`` returns a
-    message. Failing means: record the error, call ``abort()``, and, unless the main thread
+    when the oldest pending one is older than ``timeout``, a peer of a work pending longer than
+    ``ask_after`` reported a failure (``peer_failure(ranks) -> (rank, message) | None``) or
+    ``async_error()`` returns a message. Failing means: record the error, call ``abort()``, and, unless the main thread
     picks the error up (``raise_if_failed``) within ``grace`` seconds, ``on_stuck(error)``
     (by default: print it and end the process with exit code 2)."""
 
@@ -204,8 +204,9 @@ class Watchdog:
                  peer_failure: Callable[[tuple[int, ...]], tuple[int, str] | None] = lambda ranks: None,
                  async_error: Callable[[], str | None] = lambda: None,
                  on_stuck: Callable[[RuntimeFailure], None] | None = None, poll: float = 0.1, grace: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 ask_after: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.rank, self.timeout, self.poll, self.grace, self.clock = rank, timeout, poll, grace, clock
+        self.ask_after = ask_after
         self.abort, self.peer_failure, self.async_error = abort, peer_failure, async_error
         self.on_stuck = on_stuck or _exit_stuck
         self.pending: deque = deque()
@@ -242,9 +243,12 @@ class Watchdog:
             works = list(self.pending)
         if not works or self.error is not None:
             return self.error
-        oldest = works[0]
+        oldest, now = works[0], self.clock()
         failure = None
-        for work in {w.spec: w for w in reversed(works)}.values():  # one look per communicator
+        # the store is asked only about works pending for a while (a healthy one takes
+        # milliseconds), once per communicator: thousands of ranks do not poll it needlessly
+        slow = {w.spec: w for w in reversed(works) if now - w.started > self.ask_after}
+        for work in slow.values():
             hit = self.peer_failure(tuple(r for r in work.spec.ranks if r != self.rank))
             if hit is not None:
                 failure = _secondary(f"{work.op} over {work.spec.what} failed on rank {self.rank}: "
@@ -255,7 +259,7 @@ class Watchdog:
             if why is not None:
                 failure = _secondary(f"{oldest.op} over {oldest.spec.what} failed on rank {self.rank}: NCCL: {why}",
                                      _only_peer(oldest.spec.ranks, self.rank))
-        if failure is None and self.clock() - oldest.started > self.timeout:
+        if failure is None and now - oldest.started > self.timeout:
             peer = _only_peer(oldest.spec.ranks, self.rank)
             who = f"rank {peer}" if peer is not None else \
                 f"one of ranks {tuple(r for r in oldest.spec.ranks if r != self.rank)}"

@@ -414,6 +414,8 @@ def test_watchdog_forgets_finished_work_and_names_a_failed_peer():
     dog.track(FakeWork(CommSpec((0, 2, 4), "tp"), "reduce_scatter", started=100.0))
     assert dog.check_once() is None
     failed[4] = "RuntimeFailure: CUDA out of memory"
+    assert dog.check_once() is None  # pending for less than a second: the store is not asked yet
+    clock[0] = 101.5
     err = dog.check_once()
     assert "reduce_scatter over mesh axis tp (ranks (0, 2, 4)) failed on rank 0: rank 4 failed: " \
            "RuntimeFailure: CUDA out of memory" in str(err)
