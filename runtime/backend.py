@@ -36,6 +36,12 @@ class Communicator(ABC):
       transfer (value and task) for the error when the peer dies or never answers.
     - ``gather_objects``: every rank's picklable object, as a list on ``dst`` (None elsewhere).
     - ``broadcast``: ``t`` from rank ``src`` on every rank.
+    - ``post_recv``: ``recv`` posted early (a pipeline posts the next task's receives before
+      it runs the current one); its ``wait()`` gives the tensor.
+    - ``start``: ``all_reduce``, ``all_gather`` or ``reduce_scatter`` (``kind``) issued without
+      waiting; the returned work's ``wait()`` gives the result. Every member issues the group's
+      collectives in one order (the plan's); between issue and wait the rank computes on. The
+      default runs the collective at once (a transport without asynchronous calls).
     """
 
     rank: int
@@ -67,6 +73,39 @@ class Communicator(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def start(self, kind: str, t: torch.Tensor, group: tuple[int, ...], **kw) -> Work:
+        return Done(getattr(self, kind)(t, group, **kw))
+
+    def post_recv(self, shape: list[int], dtype: torch.dtype, peer: int, tag: int = 0, what: str = "recv") -> Work:
+        """A receive posted before its value is needed; ``wait()`` gives the tensor. The default
+        receives at the wait (a transport whose messages wait in a mailbox anyway)."""
+        return _LaterRecv(self, shape, dtype, peer, tag, what)
+
+
+class Work(ABC):
+    """A collective in flight (``Communicator.start``)."""
+
+    @abstractmethod
+    def wait(self) -> torch.Tensor: ...
+
+
+class Done(Work):
+    """A collective that already finished."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class _LaterRecv(Work):
+    def __init__(self, comm: Communicator, shape, dtype, peer: int, tag: int, what: str):
+        self.comm, self.args = comm, (shape, dtype, peer, tag, what)
+
+    def wait(self) -> torch.Tensor:
+        return self.comm.recv(*self.args)
 
 
 class LocalCommunicator(Communicator):
@@ -141,6 +180,13 @@ class Backend(ABC):
         self.microbatch, self.microbatches = 0, 1
         # a pipelined step's generator state before each of its random draws (runtime/rng.py)
         self.rng_states: list[torch.Tensor] | None = None
+        # issued collectives since the last take_flights: (kind, axis, issued, waited), wall clock
+        self.flights: list[tuple[str, str, float, float]] = []
+
+    def take_flights(self) -> list[tuple[str, str, float, float]]:
+        """The collectives issued and waited for since the last call (the timeline's comm rows)."""
+        out, self.flights = self.flights, []
+        return out
 
     def kernel(self, op: str) -> Callable:
         fn = self._cache.get(op)

@@ -138,12 +138,12 @@ def _write_trace(path: str, runner, backend, out) -> None:
     """Rank 0 writes every rank's firings (a gather: every rank calls this)."""
     from sbpc.runtime.trace import Span, write_trace
 
-    mine = [Span(backend.communicator.rank, f.task, f.start, f.end, f.step) for f in runner.firings]
+    mine = [Span(backend.communicator.rank, f.task, f.start, f.end, f.step, f.stream) for f in runner.firings]
     parts = backend.communicator.gather_objects(mine, 0)
     if parts is None:
         return
     origin = min((s.start for part in parts for s in part), default=0.0)
-    spans = [Span(s.track, s.name, s.start - origin, s.end - origin, s.step) for part in parts for s in part]
+    spans = [Span(s.track, s.name, s.start - origin, s.end - origin, s.step, s.stream) for part in parts for s in part]
     coords = lambda r: ", ".join(f"{k}={v}" for k, v in runner.plan.coords(r).items())
     write_trace(path, spans, {r: f"rank {r} ({coords(r)})" for r in range(runner.plan.world_size)})
     if out is not None:

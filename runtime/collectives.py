@@ -27,12 +27,14 @@ Semantics, for one mesh axis of size n on which this rank has index i (other axe
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from sbpc.errors import PlanError
-from sbpc.runtime.kinds import Collective
+from sbpc.runtime.backend import Done, Work
+from sbpc.runtime.kinds import ISSUE, WAIT, Collective
 from sbpc.runtime.sbp import Partial, Split
 from sbpc.runtime.sharding import join_chunks, shard_of, take_chunk
 
@@ -61,32 +63,46 @@ def _reduce(reduce: str) -> str:
     return reduce
 
 
-def all_reduce(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> torch.Tensor:
+# The communicating kernels are written once, as ``_start_<kind>``: the communicator's work
+# plus what turns its result into the kernel's. The blocking kernel waits at once; ``issue``
+# returns the work and ``wait`` finishes it where the plan's consumer needs the value.
+
+class _Flight(Work):
+    """A kernel's collective in flight: ``wait`` finishes it (splits a bucket, joins chunks)."""
+
+    def __init__(self, work: Work, finish: Callable[[torch.Tensor], object]):
+        self.work, self.finish = work, finish
+
+    def wait(self):
+        return self.finish(self.work.wait())
+
+
+def _start_all_reduce(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> Work:
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
-        return x
-    return backend.communicator.all_reduce(x, group, _reduce(reduce))
+        return Done(x)
+    return backend.communicator.start("all_reduce", x, group, op=_reduce(reduce))
 
 
-def all_reduce_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, reduce: str = "sum") -> list[torch.Tensor]:
+def _start_all_reduce_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, reduce: str = "sum") -> Work:
     """Several all-reduces in one call: the tensors travel as one flat buffer (one dtype), as
     DDP's gradient buckets do, so a step pays one latency instead of one per tensor."""
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
-        return list(xs)
-    flat = backend.communicator.all_reduce(torch.cat([x.reshape(-1) for x in xs]), group, _reduce(reduce))
-    return [piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in xs]), xs)]
+        return Done(list(xs))
+    work = backend.communicator.start("all_reduce", torch.cat([x.reshape(-1) for x in xs]), group, op=_reduce(reduce))
+    return _Flight(work, lambda flat: [piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in xs]), xs)])
 
 
-def all_gather(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1) -> torch.Tensor:
+def _start_all_gather(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1) -> Work:
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
-        return x
+        return Done(x)
     dim = _dim(x, dim)
-    out = backend.communicator.all_gather(x, group, dim)
+    work = backend.communicator.start("all_gather", x, group, dim=dim)
     if parts == 1:
-        return out
-    return join_chunks(list(out.chunk(len(group), dim=dim)), Split(dim, parts))
+        return work
+    return _Flight(work, lambda out: join_chunks(list(out.chunk(len(group), dim=dim)), Split(dim, parts)))
 
 
 def _arrange(x: torch.Tensor, s: Split, n: int) -> torch.Tensor:
@@ -96,42 +112,99 @@ def _arrange(x: torch.Tensor, s: Split, n: int) -> torch.Tensor:
     return torch.cat([take_chunk(x, s, j, n) for j in range(n)], dim=s.dim)
 
 
-def reduce_scatter(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1,
-                   reduce: str = "sum") -> torch.Tensor:
+def _start_reduce_scatter(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1,
+                          reduce: str = "sum") -> Work:
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
-        return x
+        return Done(x)
     dim = _dim(x, dim)
-    return backend.communicator.reduce_scatter(_arrange(x, Split(dim, parts), len(group)), group, dim, _reduce(reduce))
+    return backend.communicator.start("reduce_scatter", _arrange(x, Split(dim, parts), len(group)), group, dim=dim,
+                                      op=_reduce(reduce))
 
 
-def reduce_scatter_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int], parts: list[int],
-                             reduce: str = "sum") -> list[torch.Tensor]:
+def _start_reduce_scatter_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int],
+                                    parts: list[int], reduce: str = "sum") -> Work:
     """Several reduce-scatters in one call (a bucket of ZeRO gradients): rank j's chunk of every
     tensor goes into the j-th n-th of one flat buffer, which is reduce-scattered."""
     group, index = axis_group(backend, axis)
     n = len(group)
     if n == 1:
-        return list(xs)
+        return Done(list(xs))
     splits = [Split(_dim(x, d), k) for x, d, k in zip(xs, dims, parts)]
     chunks = [[take_chunk(x, s, j, n) for x, s in zip(xs, splits)] for j in range(n)]
     flat = torch.cat([c.reshape(-1) for per_rank in chunks for c in per_rank])
-    mine = backend.communicator.reduce_scatter(flat, group, 0, _reduce(reduce))
-    return [piece.view(c.shape) for piece, c in zip(mine.split([c.numel() for c in chunks[index]]), chunks[index])]
+    work = backend.communicator.start("reduce_scatter", flat, group, dim=0, op=_reduce(reduce))
+    mine = chunks[index]
+    return _Flight(work, lambda got: [piece.view(c.shape) for piece, c in zip(got.split([c.numel() for c in mine]), mine)])
 
 
-def all_gather_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int],
-                         parts: list[int]) -> list[torch.Tensor]:
+def _start_all_gather_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int],
+                                parts: list[int]) -> Work:
     """Several all-gathers in one call (a bucket of updated ZeRO shards): this rank's shards
     travel as one flat buffer; each tensor is joined from every rank's piece of it."""
     group, _ = axis_group(backend, axis)
     n = len(group)
     if n == 1:
-        return list(xs)
-    flat = backend.communicator.all_gather(torch.cat([x.reshape(-1) for x in xs]), group, 0)
-    per_rank = [piece.split([x.numel() for x in xs]) for piece in flat.chunk(n)]
-    return [join_chunks([per_rank[j][t].view(x.shape) for j in range(n)], Split(_dim(x, d), k))
-            for t, (x, d, k) in enumerate(zip(xs, dims, parts))]
+        return Done(list(xs))
+    work = backend.communicator.start("all_gather", torch.cat([x.reshape(-1) for x in xs]), group, dim=0)
+
+    def finish(flat):
+        per_rank = [piece.split([x.numel() for x in xs]) for piece in flat.chunk(n)]
+        return [join_chunks([per_rank[j][t].view(x.shape) for j in range(n)], Split(_dim(x, d), k))
+                for t, (x, d, k) in enumerate(zip(xs, dims, parts))]
+    return _Flight(work, finish)
+
+
+_STARTS = {
+    Collective.ALL_REDUCE: _start_all_reduce,
+    Collective.ALL_REDUCE_COALESCED: _start_all_reduce_coalesced,
+    Collective.ALL_GATHER: _start_all_gather,
+    Collective.ALL_GATHER_COALESCED: _start_all_gather_coalesced,
+    Collective.REDUCE_SCATTER: _start_reduce_scatter,
+    Collective.REDUCE_SCATTER_COALESCED: _start_reduce_scatter_coalesced,
+}
+ISSUABLE = frozenset(_STARTS)  # the kinds ``sbpc.issue`` can start
+_KINDS = {c.value for c in Collective}
+
+
+def _blocking(start):
+    def kernel(backend, *args, **kwargs):
+        return start(backend, *args, **kwargs).wait()
+    kernel.__name__ = kernel.__qualname__ = start.__name__.removeprefix("_start_")
+    kernel.__doc__ = start.__doc__
+    return kernel
+
+
+all_reduce = _blocking(_start_all_reduce)
+all_reduce_coalesced = _blocking(_start_all_reduce_coalesced)
+all_gather = _blocking(_start_all_gather)
+all_gather_coalesced = _blocking(_start_all_gather_coalesced)
+reduce_scatter = _blocking(_start_reduce_scatter)
+reduce_scatter_coalesced = _blocking(_start_reduce_scatter_coalesced)
+
+
+def issue(backend: Backend, x, kind: str, **kwargs) -> Work:
+    """``sbpc.issue(x, kind=..., **kwargs)``: the collective ``sbpc.<kind>(x, **kwargs)`` started
+    without waiting; ``sbpc.wait`` of the result gives what ``sbpc.<kind>`` would have."""
+    c = Collective(kind) if kind in _KINDS else None
+    if c not in _STARTS:
+        raise PlanError(f"sbpc.issue cannot start {kind}", hint="the plan is corrupt; recompile it")
+    return _Issued(_STARTS[c](backend, x, **kwargs), kind, kwargs.get("axis", ""), time.time())
+
+
+class _Issued(Work):
+    def __init__(self, work: Work, kind: str, axis: str, at: float):
+        self.work, self.kind, self.axis, self.at = work, kind, axis, at
+
+    def wait(self):
+        return self.work.wait()
+
+
+def wait(backend: Backend, work: _Issued):
+    """``sbpc.wait(%w)``: the result of the collective that ``sbpc.issue`` started as ``%w``."""
+    out = work.wait()
+    backend.flights.append((work.kind, work.axis, work.at, time.time()))
+    return out
 
 
 def all_to_all(backend: Backend, x: torch.Tensor, axis: str, src_dim: int, dst_dim: int,
@@ -178,3 +251,4 @@ _KERNEL = {
     Collective.KEEP_FIRST: keep_first,
 }
 KERNELS = {c.op: _KERNEL[c] for c in Collective}  # by op name; a kind without a kernel fails here
+KERNELS.update({ISSUE: issue, WAIT: wait})

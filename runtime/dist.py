@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sbpc.errors import PlanError, RuntimeFailure, SbpcError, UsageError
-from sbpc.runtime.backend import Communicator
+from sbpc.runtime.backend import Communicator, Work
 from sbpc.runtime.topology import Topology
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -288,6 +288,30 @@ class GlooCommunicator(Communicator):
         pieces = [c.movedim(0, split_dim) for c in out.chunk(n, dim=0)]  # piece from member i
         return torch.cat(pieces, dim=concat_dim)
 
+    def start(self, kind, t, group, **kw):
+        """gloo's asynchronous collectives (``async_op=True``): the work runs on the process
+        group's own thread while this rank computes; ``wait`` names a failure as a blocking
+        call would. reduce_scatter without gloo's native one runs blocking (its fallback)."""
+        if len(group) == 1 or (kind == "reduce_scatter" and not self._native_reduce_scatter):
+            return super().start(kind, t, group, **kw)
+        op = kw.get("op", "sum")
+        if kind == "all_reduce":
+            out = t.detach().clone(memory_format=torch.contiguous_format)
+            issue, finish = (lambda pg: dist.all_reduce(out, op=_OPS[op], group=pg, async_op=True)), (lambda: out)
+        elif kind == "all_gather":
+            src = t.detach().contiguous()
+            bufs = [torch.empty_like(src) for _ in group]
+            issue, finish = (lambda pg: dist.all_gather(bufs, src, group=pg, async_op=True)), (lambda: torch.cat(bufs, dim=kw["dim"]))
+        elif kind == "reduce_scatter":
+            chunks = [c.contiguous() for c in t.detach().chunk(len(group), dim=kw["dim"])]
+            out = torch.empty_like(chunks[list(group).index(self.rank)])
+            issue, finish = (lambda pg: dist.reduce_scatter(out, chunks, op=_OPS[op], group=pg, async_op=True)), (lambda: out)
+        else:
+            raise PlanError(f"no asynchronous {kind}", hint="the plan is corrupt; recompile it")
+        works = []
+        self._run(kind, group, lambda pg: works.append(issue(pg)))
+        return _Async(self, works[0], kind, tuple(group), finish)
+
     def send(self, t, peer, tag=0, what="send"):
         src = t.detach().contiguous()
         work = []
@@ -298,6 +322,12 @@ class GlooCommunicator(Communicator):
         out = torch.empty(shape, dtype=dtype)
         self._run(what, (peer, self.rank), lambda pg: dist.recv(out, src=peer, tag=tag), world=True)
         return out
+
+    def post_recv(self, shape, dtype, peer, tag=0, what="recv"):
+        out = torch.empty(shape, dtype=dtype)
+        works = []
+        self._run(what, (peer, self.rank), lambda pg: works.append(dist.irecv(out, src=peer, tag=tag)), world=True)
+        return _Async(self, works[0], what, (peer, self.rank), lambda: out, world=True)
 
     def gather_objects(self, obj, dst=0):
         out = [None] * self.world_size if self.rank == dst else None
@@ -312,6 +342,18 @@ class GlooCommunicator(Communicator):
 
     def barrier(self):
         self._run("barrier", tuple(range(self.world_size)), lambda pg: dist.barrier(), world=True)
+
+
+class _Async(Work):
+    """A collective issued with ``async_op=True``; ``wait`` turns a failure into a named error."""
+
+    def __init__(self, comm: GlooCommunicator, work, kind: str, group: tuple[int, ...], finish: Callable[[], torch.Tensor],
+                 world: bool = False):
+        self.comm, self.work, self.kind, self.group, self.finish, self.world = comm, work, kind, group, finish, world
+
+    def wait(self) -> torch.Tensor:
+        self.comm._run(self.kind, self.group, lambda pg: self.work.wait(), world=self.world)
+        return self.finish()
 
 
 class _Pending:

@@ -54,6 +54,13 @@ _SINGLE = {Collective.ALL_REDUCE_COALESCED: Collective.ALL_REDUCE, Collective.AL
 COALESCED = {v: k for k, v in _SINGLE.items()}  # one-tensor kind -> its bucket kind
 
 
+# A collective issued without waiting and the point where its result is needed (``overlap``
+# pass): ``%w = sbpc.issue(x, kind="all_reduce_coalesced", ...) : work[]``, then
+# ``%a, %b = sbpc.wait(%w)`` gives what ``sbpc.all_reduce_coalesced(x, ...)`` would have.
+ISSUE = "sbpc.issue"
+WAIT = "sbpc.wait"
+
+
 class Precision(enum.StrEnum):
     """Compute precision (``--precision``); master weights and optimizer state stay fp32."""
     FP32 = "fp32"

@@ -131,12 +131,17 @@ class PipelineRunner(Runner):
         acc: dict[str, torch.Tensor] = {}
         local: dict[tuple[str, int | None], torch.Tensor] = {}
         sends = []
+        posted: dict[tuple[str, int | None], object] = {}
         self.backend.microbatches = self.m
-        for task in self.order:
+        if self.order:
+            self._post(self.order[0], posted)
+        for k, task in enumerate(self.order):
             start = time.time()
             env = envs[task.mb] if task.mb is not None else step_env
             body = self.graph.bodies[task.key]
-            self._receive(task, body, env, local)
+            self._receive(task, body, env, local, posted)
+            if k + 1 < len(self.order):  # the next task's receives fly while this one computes
+                self._post(self.order[k + 1], posted)
             for it in body.reads:
                 env[it.outs[0]] = acc[it.uses[0]]
             self.backend.microbatch = task.mb or 0
@@ -151,6 +156,7 @@ class PipelineRunner(Runner):
             if task.mb is not None and self._last_of_mb.get(task.mb) == task:
                 envs[task.mb] = {}  # the micro-batch's regst is free
             self.firings.append(Firing(fmt(task), start, time.time(), self.steps))
+            self.firings += [Firing(name, a, b, self.steps, f"comm {axis}") for name, axis, a, b in self.backend.take_flights()]
         for s in sends:
             s.wait()
         self.steps += 1
@@ -170,18 +176,21 @@ class PipelineRunner(Runner):
     def _peer(self, chunk: int) -> int:
         return self.topology.rank_of({**self.topology.coords, "pp": chunk % self.p})
 
-    def _receive(self, task: Task, body: Body, env, local) -> None:
-        for it in body.recvs:
-            key = (it.outs[0], task.mb)
+    def _post(self, task: Task, posted) -> None:
+        """Post the receives of ``task`` from other stages (gloo ``irecv``), so that a value
+        arriving while the task before it computes is taken without waiting."""
+        for it in self.graph.bodies[task.key].recvs:
             if it.src % self.p == self.stage:
-                env[it.outs[0]] = local.pop(key)
                 continue
             vt = self.types[it.outs[0]]
-            shape = _local_shape(vt, self)
-            tag = self._tag(it.outs[0], task.mb)
-            env[it.outs[0]] = self.backend.communicator.recv(
-                shape, getattr(torch, DTYPES[vt.dtype]), self._peer(it.src), tag,
+            posted[(it.outs[0], task.mb)] = self.backend.communicator.post_recv(
+                _local_shape(vt, self), getattr(torch, DTYPES[vt.dtype]), self._peer(it.src), self._tag(it.outs[0], task.mb),
                 what=f"recv of %{it.outs[0]} for {fmt(task)} on stage {self.stage}")
+
+    def _receive(self, task: Task, body: Body, env, local, posted) -> None:
+        for it in body.recvs:
+            key = (it.outs[0], task.mb)
+            env[it.outs[0]] = local.pop(key) if it.src % self.p == self.stage else posted.pop(key).wait()
 
     def _send(self, task: Task, env, local) -> list:
         pending = []

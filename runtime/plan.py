@@ -27,6 +27,7 @@ DTYPES = {
     "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "bool": "bool",
     "c64": "complex64",
     "none": "none",  # an absent optional result of an op (e.g. an unneeded gradient)
+    "work": "work",  # a collective in flight: what sbpc.issue returns and sbpc.wait consumes
 }
 
 

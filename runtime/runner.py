@@ -23,6 +23,7 @@ from sbpc.errors import ModelError, RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.model_file import import_model_file
+from sbpc.runtime.overlap import check_plan as check_issue_order
 from sbpc.runtime.plan import Plan, TensorSpec
 from sbpc.runtime.rng import draws, replay
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
@@ -38,6 +39,7 @@ class Firing:
     start: float
     end: float
     step: int
+    stream: str = "compute"  # "comm dp": a collective in flight on axis dp (issue to wait)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Runner:
         self.steps = 0
 
     def _bind(self, plan: Plan, backend: Backend) -> None:
+        check_issue_order(plan)  # an edited plan whose waits would hang fails here, on every rank
         if plan.world_size != backend.communicator.world_size:
             raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
                                  hint="launch as many ranks as the plan's mesh has devices")
@@ -136,6 +139,7 @@ class Runner:
         start = time.time()
         loss, *rest = self.program.run(env)
         self.firings.append(Firing("step", start, time.time(), self.steps))
+        self.firings += [Firing(name, a, b, self.steps, f"comm {axis}") for name, axis, a, b in self.backend.take_flights()]
         self.steps += 1
         n = len(self.plan.params)
         grads = {name: self.gather(g, self.grad_sbp[name]) for name, g in zip(self.params, rest[:n])} if keep_grads else {}

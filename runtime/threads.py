@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from sbpc.errors import PlanError, RuntimeFailure
-from sbpc.runtime.backend import Communicator
+from sbpc.runtime.backend import Communicator, Done, Work
 from sbpc.runtime.topology import Topology
 
 
@@ -158,6 +158,11 @@ class ThreadWorld:
                  timeout: float) -> list:
         """Contribute ``item`` to this rank's next call on ``group``; every member's item, in
         group order, once all have arrived. ``sig`` must agree between the members."""
+        return self.collect(rank, group, self.contribute(rank, group, op, item, sig), where, timeout)
+
+    def contribute(self, rank: int, group: tuple[int, ...], op: str, item: Any, sig: tuple) -> tuple:
+        """Put ``item`` into this rank's next call on ``group`` without waiting (an issued
+        collective); returns the call's key for ``collect``."""
         with self.cond:
             calls = self.calls[rank]
             key = (group, calls.get(group, 0))
@@ -170,6 +175,12 @@ class ThreadWorld:
                                  f"{slot.op} {_fmt_sig(slot.sig[group.index(other)])}")
             slot.items[me], slot.sig[me] = item, sig
             self.cond.notify_all()
+            return key
+
+    def collect(self, rank: int, group: tuple[int, ...], key: tuple, where: str, timeout: float) -> list:
+        """Every member's item of call ``key``, in group order, once all have contributed."""
+        with self.cond:
+            slot = self.slots[key]
             self.wait(rank, lambda: len(slot.items) == len(group) or slot.mismatch is not None,
                       lambda: [g for i, g in enumerate(group) if i not in slot.items], where, timeout)
             slot.unread -= 1
@@ -238,34 +249,46 @@ class ThreadCommunicator(Communicator):
         return f"{op} over mesh axis {axis} (ranks {group})" if axis else f"{op} with ranks {group}"
 
     def _exchange(self, op: str, group, item, sig: tuple) -> list:
+        return self._contribute(op, group, item, sig).wait()
+
+    def _contribute(self, op: str, group, item, sig: tuple, finish: Callable[[list], Any] = lambda items: items) -> _Issued:
         group = tuple(group)
         if group not in self._axis and group != tuple(range(self.world_size)):
             raise PlanError(f"{op} over ranks {group}: rank {self.rank} has no process group for them",
                             hint="collectives run along one mesh axis; the plan is corrupt or for another mesh")
-        return self.world.exchange(self.rank, group, op, item, sig, self._where(op, group), self.timeout)
+        return _Issued(self, group, self.world.contribute(self.rank, group, op, item, sig), self._where(op, group), finish)
 
-    def _tensors(self, op: str, t: torch.Tensor, group, *extra) -> list[torch.Tensor]:
-        return self._exchange(op, group, t.detach().clone(memory_format=torch.contiguous_format), _sig(t, *extra))
+    def _tensors(self, op: str, t: torch.Tensor, group, *extra, finish=lambda items: items) -> _Issued:
+        return self._contribute(op, group, t.detach().clone(memory_format=torch.contiguous_format), _sig(t, *extra), finish)
+
+    def start(self, kind, t, group, **kw):
+        """Issued collectives: this rank's contribution goes in now, ``wait`` collects the
+        others' (the baton is put down only there), so an issued call never blocks."""
+        if len(group) == 1:
+            return Done(t)
+        return getattr(self, f"_{kind}")(t, group, **kw)
 
     def all_reduce(self, t, group, op="sum"):
-        _reduction(op)
-        if len(group) == 1:
-            return t
-        return _fold(self._tensors("all_reduce", t, group, op), op)
+        return self.start("all_reduce", t, group, op=op).wait()
 
     def all_gather(self, t, group, dim):
-        if len(group) == 1:
-            return t
-        return torch.cat(self._tensors("all_gather", t, group, dim), dim=dim)
+        return self.start("all_gather", t, group, dim=dim).wait()
 
     def reduce_scatter(self, t, group, dim, op="sum"):
+        return self.start("reduce_scatter", t, group, dim=dim, op=op).wait()
+
+    def _all_reduce(self, t, group, op="sum"):
         _reduction(op)
-        n = len(group)
-        if n == 1:
-            return t
-        parts = self._tensors("reduce_scatter", t, group, dim, op)
-        size, i = t.shape[dim] // n, list(group).index(self.rank)
-        return _fold([p.narrow(dim, i * size, size) for p in parts], op)
+        return self._tensors("all_reduce", t, group, op, finish=lambda parts: _fold(parts, op))
+
+    def _all_gather(self, t, group, dim):
+        return self._tensors("all_gather", t, group, dim, finish=lambda parts: torch.cat(parts, dim=dim))
+
+    def _reduce_scatter(self, t, group, dim, op="sum"):
+        _reduction(op)
+        size, i = t.shape[dim] // len(group), list(group).index(self.rank)
+        return self._tensors("reduce_scatter", t, group, dim, op,
+                             finish=lambda parts: _fold([p.narrow(dim, i * size, size) for p in parts], op))
 
     def all_to_all(self, t, group, split_dim, concat_dim):
         n = len(group)
@@ -275,7 +298,7 @@ class ThreadCommunicator(Communicator):
             raise RuntimeFailure(f"{self._where('all_to_all', tuple(group))} failed on rank {self.rank}: dim {split_dim} "
                                  f"of {list(t.shape)} does not split into {n} equal chunks",
                                  hint="the plan is corrupt; recompile it")
-        parts = self._tensors("all_to_all", t, group, split_dim, concat_dim)
+        parts = self._tensors("all_to_all", t, group, split_dim, concat_dim).wait()
         i = list(group).index(self.rank)
         return torch.cat([p.chunk(n, dim=split_dim)[i] for p in parts], dim=concat_dim)
 
@@ -306,11 +329,23 @@ class ThreadCommunicator(Communicator):
     def broadcast(self, t, src):
         if self.world_size == 1:
             return t
-        return self._tensors("broadcast", t, tuple(range(self.world_size)), f"from rank {src}")[src]
+        return self._tensors("broadcast", t, tuple(range(self.world_size)), f"from rank {src}").wait()[src]
 
     def barrier(self):
         if self.world_size > 1:
             self._exchange("barrier", tuple(range(self.world_size)), None, ())
+
+
+class _Issued(Work):
+    """A collective this rank has contributed to; ``wait`` collects the members' items."""
+
+    def __init__(self, comm: ThreadCommunicator, group: tuple[int, ...], key: tuple, where: str,
+                 finish: Callable[[list], Any]):
+        self.comm, self.group, self.key, self.where, self.finish = comm, group, key, where, finish
+
+    def wait(self):
+        c = self.comm
+        return self.finish(c.world.collect(c.rank, self.group, self.key, self.where, c.timeout))
 
 
 class _Pending:

@@ -89,7 +89,7 @@ def test_print_after_and_dump_dir(tmp_path):
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-zero.sbpir", "06-stage-partition.sbpir", "07-sbp-propagate.sbpir", "08-boxing.sbpir",
                      "09-coalesce.sbpir", "10-recompute.sbpir", "11-localize.sbpir", "12-random-draws.sbpir",
-                     "13-schedule.sbpir", "14-inplace.sbpir", "15-memory-plan.sbpir"]
+                     "13-schedule.sbpir", "14-inplace.sbpir", "15-memory-plan.sbpir", "16-overlap.sbpir"]
     assert "stage=0" in (tmp_path / "06-stage-partition.sbpir").read_text()
 
 

@@ -46,6 +46,14 @@ def op_results(payload) -> list[tuple[str, torch.Tensor]]:
             (f"all_to_all 0->1 {axis}", comm.all_to_all(_data(r, 7, 6, 5), group, 0, 1)),
             (f"all_to_all 1->0 {axis}", comm.all_to_all(_data(r, 8, 5, 6, 3), group, 1, 0)),
         ]
+    # issued collectives (the overlap pass's sbpc.issue / sbpc.wait): three in flight on both
+    # axes at once, waited for in the reverse order, with a blocking one in between
+    dp, tp = topo.group("dp"), topo.group("tp")
+    works = [("all_reduce sum dp issued", comm.start("all_reduce", _data(r, 13, 4, 5), dp, op="sum")),
+             ("all_gather dim 1 tp issued", comm.start("all_gather", _data(r, 14, 3, 2), tp, dim=1)),
+             ("reduce_scatter dim 0 tp issued", comm.start("reduce_scatter", _data(r, 15, 6, 2), tp, dim=0, op="sum"))]
+    out.append(("blocking all_reduce between", comm.all_reduce(_data(r, 16, 3), dp)))
+    out += [(name, w.wait()) for name, w in reversed(works)]
     # point to point around the ring, two tags sent out of order; the send is waited last
     right, left = (r + 1) % comm.world_size, (r - 1) % comm.world_size
     pending = [comm.send(_data(r, 9, 3, 4), right, tag=2), comm.send(_data(r, 10, 2), right, tag=1)]
@@ -82,7 +90,7 @@ def test_the_thread_communicator_equals_gloo_op_by_op(gloo_results):
             assert name.startswith(("all_reduce sum tp", "reduce_scatter dim 0 tp")), (rank, name)
             assert float((a - b).abs().max() / b.abs().max()) < 1e-6, (rank, name)
             last_bit.append((rank, name))
-    assert compared == 6 * 19 + 6
+    assert compared == 6 * 23 + 6  # 23 ops per rank (4 of them issued ones), 6 gathered objects on rank 0
     print(f"{compared} results compared; bit-identical except {len(last_bit)} three-rank sums: {sorted(set(n for _, n in last_bit))}")
 
 

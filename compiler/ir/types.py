@@ -52,7 +52,7 @@ class TensorType:
 
 
 def dtype_size(dtype: str) -> int:
-    return {"f64": 8, "i64": 8, "c64": 8, "f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2}.get(dtype, 1)
+    return {"f64": 8, "i64": 8, "c64": 8, "f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2, "work": 0}.get(dtype, 1)
 
 
 @dataclass(frozen=True)

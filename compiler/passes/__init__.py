@@ -12,6 +12,7 @@ from sbpc.compiler.passes.inplace import InPlace
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
+from sbpc.compiler.passes.overlap import Overlap
 from sbpc.compiler.passes.recompute import Recompute
 from sbpc.compiler.passes.random_draws import RandomDraws
 from sbpc.compiler.passes.schedule import Schedule
@@ -20,7 +21,8 @@ from sbpc.compiler.passes.stage_partition import StagePartition
 from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, InPlace, MemoryPlan, Zero)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, InPlace, MemoryPlan, Zero,
+                                Overlap)}
 
 
 @dataclass(frozen=True)
@@ -41,4 +43,4 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
-            InPlace(), MemoryPlan()]
+            InPlace(), MemoryPlan(), Overlap()]

@@ -5,7 +5,7 @@ per parameter. Here the reductions of the backward and optimizer -- all-reduces,
 reduce-scatters of ZeRO-2/3 gradients -- and the optimizer's all-gathers (ZeRO's updated
 shards gathered back into the parameter's layout) are grouped by kind, axis, reduction, dtype
 and stage, and cut in program order into buckets of at most ``bucket_bytes`` (25 MB, DDP's
-default); a bucket becomes one ``sbpc.<kind>_coalesced`` call placed where its last member
+default; the first one ``first_bucket_bytes``, 1 MB, as DDP's); a bucket becomes one ``sbpc.<kind>_coalesced`` call placed where its last member
 was, and the ops that already used an earlier member's result (a transpose of a weight
 gradient, ...) move after it with everything that depends on them. Every tensor is still
 converted exactly once; gradients live until their bucket is reduced, as in DDP. The
@@ -33,6 +33,9 @@ class Coalesce:
     needs: ClassVar[tuple[Fact, ...]] = (Fact.BOXED,)
     provides: ClassVar[tuple[Fact, ...]] = ()
     bucket_bytes: int = 25 * 2**20
+    # DDP's first bucket: the last layers' gradients come first in the backward, and a small
+    # first bucket starts reducing them (overlap issues it) while the rest of the backward runs
+    first_bucket_bytes: int = 2**20
 
     def apply(self, graph: Graph, ctx) -> Graph:
         nodes = list(graph.nodes)
@@ -59,7 +62,8 @@ class Coalesce:
         size = 0
         for i in idxs:
             nbytes = nodes[i].types[0].nbytes
-            if buckets and size + nbytes <= self.bucket_bytes:
+            cap = self.first_bucket_bytes if len(buckets) == 1 else self.bucket_bytes
+            if buckets and size + nbytes <= cap:
                 buckets[-1].append(i)
                 size += nbytes
             else:

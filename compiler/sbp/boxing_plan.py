@@ -65,9 +65,11 @@ SEQUENTIAL_STEPS = frozenset({Collective.ALL_REDUCE, Collective.SHARD_SLICE, Col
 
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
-                sequential: frozenset[int] = frozenset()) -> float:
+                sequential: frozenset[int] = frozenset(), bucketed: bool = False) -> float:
     """Seconds the conversion takes under ``model``; infinite where no boxing exists (into
-    P(max)) or where it would exchange data between micro-batches (``sequential`` axes)."""
+    P(max)) or where it would exchange data between micro-batches (``sequential`` axes).
+    ``bucketed``: ``t`` is a weight gradient on its way to the optimizer, whose reductions
+    share one bucket (``model.bucketed``)."""
     try:
         steps = plan_boxing(src, dst, t, sizes)
     except CompileError:
@@ -77,9 +79,15 @@ def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], m
         if s.axis in sequential and s.kind not in SEQUENTIAL_STEPS:
             return float("inf")
         nbytes = t.local_nbytes(cur, sizes)
-        cost += model.collective(s.kind, nbytes, sizes[s.axis])
+        if bucketed and s.axis not in sequential and s.kind in _BUCKETED:
+            cost += model.bucketed(s.kind, nbytes, sizes[s.axis])
+        else:
+            cost += model.collective(s.kind, nbytes, sizes[s.axis])
         cur = s.after
     return cost
+
+
+_BUCKETED = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})  # what coalesce fuses in the backward
 
 
 def _keeps(src: NdSbp, dst: NdSbp, a: int) -> bool:

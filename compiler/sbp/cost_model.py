@@ -24,6 +24,10 @@ class CostModel(Protocol):
     def transfer(self, nbytes: int) -> float:
         """A send/recv of ``nbytes`` between pipeline stages (matching ranks)."""
 
+    def bucketed(self, kind: Collective, nbytes: int, k: int) -> float:
+        """``kind`` as a member of a gradient bucket: fused with the others into one call
+        (``coalesce``) and issued while the backward continues (``overlap``)."""
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -46,6 +50,12 @@ class AlphaBeta:
         if kind in (Collective.SHARD_SLICE, Collective.KEEP_FIRST):
             return self.gamma * nbytes  # local: no link, a copy at most
         raise ValueError(f"unknown boxing step {kind}")
+
+    def bucketed(self, kind: Collective, nbytes: int, k: int) -> float:
+        # a bucket of up to 25 MB pays one call and one ring latency for all its members, so a
+        # member pays its bytes alone; pricing it per call made the solver gather activations
+        # (dozens of blocking calls a step) rather than all-reduce weight gradients (one bucket)
+        return self.collective(kind, nbytes, k) - self.collective(kind, 0, k)
 
     def compute(self, nbytes: int) -> float:
         return self.gamma * nbytes

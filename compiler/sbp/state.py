@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.mesh import MICROBATCH
-from sbpc.compiler.ir.types import Graph, TensorType
+from sbpc.compiler.ir.types import Graph, Role, TensorType
 from sbpc.compiler.sbp.boxing_plan import boxing_cost
 from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
@@ -68,7 +68,8 @@ class SolverState:
     producer: dict[str, int] = field(init=False)
     consumers: dict[str, list[int]] = field(init=False)
     at: list[list[Use]] = field(init=False)
-    _box: dict = field(init=False, default_factory=dict)  # (src, dst, type) -> price
+    _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
+    bucketed: frozenset[str] = field(init=False)  # weight gradients on their way to the optimizer
 
     def __post_init__(self):
         self.axes = self.graph.mesh.sbp_axes
@@ -78,6 +79,7 @@ class SolverState:
                                                              self.index.consumers, self.index.at)
         if not self.choice:
             self.choice = [0] * len(self.graph.nodes)
+        self.bucketed = gradient_tail(self.graph, self.consumers)
 
     def chosen(self, idx: int) -> NdSignature:
         return self.cands[idx][self.choice[idx]]
@@ -103,10 +105,10 @@ class SolverState:
         return self.reqc.get(v, {}).keys()
 
     # ----- costs
-    def box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
-        key = (src, dst, t)
+    def box(self, src: NdSbp, dst: NdSbp, t: TensorType, bucketed: bool = False) -> float:
+        key = (src, dst, t, bucketed)
         if key not in self._box:
-            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential)
+            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential, bucketed)
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
@@ -116,7 +118,8 @@ class SolverState:
 
     def value_cost(self, v: str, src: NdSbp, reqs) -> float:
         """Converting ``v`` from ``src`` into each distinct layout of ``reqs``."""
-        return sum(self.box(src, t, self.types[v]) for t in set(reqs) if t != src)
+        bucketed = v in self.bucketed
+        return sum(self.box(src, t, self.types[v], bucketed) for t in set(reqs) if t != src)
 
     def local_cost(self, idx: int, c: NdSignature) -> float:
         """What op ``idx`` costs in candidate ``c`` (its compute and the conversions of its
@@ -203,3 +206,21 @@ class SolverState:
         for r, ms in self.tied.items():
             self.live[r] = [m for m in ms if m == r or m in own
                             or any(v in values for v in self.uses[m]) or any(o in values for o in nodes[m].outputs)]
+
+
+def gradient_tail(graph: Graph, consumers: dict[str, list[int]]) -> frozenset[str]:
+    """The backward's values that only the optimizer needs, directly or through backward ops
+    that feed nothing else (a weight gradient and its transpose): their reductions are what
+    ``coalesce`` buckets and ``overlap`` issues while the backward goes on."""
+    nodes = graph.nodes
+    tail: set[str] = set()
+    for n in reversed(nodes):  # consumers come later in program order
+        if n.role != Role.BACKWARD:
+            continue
+        for o in n.outputs:
+            readers = consumers.get(o, [])
+            if readers and all(nodes[c].role == Role.OPTIMIZER or
+                               (nodes[c].role == Role.BACKWARD and all(x in tail for x in nodes[c].outputs))
+                               for c in readers):
+                tail.add(o)
+    return frozenset(tail)

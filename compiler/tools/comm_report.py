@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sbpc.runtime import plan as P
 from sbpc.compiler.ir.types import TensorType
-from sbpc.runtime.kinds import Collective as Kind
+from sbpc.runtime.kinds import ISSUE, WAIT, Collective as Kind
 from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.sbp import parse_nd_sbp
 
@@ -40,7 +40,7 @@ class Collective:
 def collectives(plan: P.Plan) -> list[Collective]:
     sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
     out = []
-    for call, ins in enumerate(i for st in plan.stages for i in st.instructions):
+    for call, ins in enumerate(_calls(plan)):
         kind, bucket = _kind(ins.op), Kind.of(ins.op)
         if bucket is not None and bucket.single != bucket:  # a bucket: one call, counted per tensor
             kind, values = bucket.single.value, [a.ref for a in ins.args[0]]
@@ -56,6 +56,20 @@ def collectives(plan: P.Plan) -> list[Collective]:
             out.append(Collective(kind, axis, ins.role, ins.loc.module if ins.loc else "",
                                   str(ins.loc) if ins.loc else "", value, nbytes, call))
     return out
+
+
+def _calls(plan: P.Plan):
+    """The plan's instructions, an issued collective (``sbpc.issue`` ... ``sbpc.wait``) as the
+    blocking call it stands for, at its issue."""
+    for st in plan.stages:
+        waits = {i.args[0].ref: i for i in st.instructions if i.op == WAIT}
+        for ins in st.instructions:
+            if ins.op == ISSUE:
+                w = waits[ins.outs[0]]
+                kwargs = {k: v for k, v in ins.kwargs.items() if k != "kind"}
+                yield ins.model_copy(update=dict(op=Kind(ins.kwargs["kind"]).op, kwargs=kwargs, outs=w.outs, types=w.types))
+            elif ins.op != WAIT:
+                yield ins
 
 
 def summary(plan: P.Plan) -> str:

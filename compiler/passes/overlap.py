@@ -1,0 +1,151 @@
+"""overlap: issue collectives early and wait for them late, so communication runs under compute.
+
+Every collective the runtime can start asynchronously (``runtime.collectives.ISSUABLE``: the
+all-reduces, all-gathers and reduce-scatters, single or bucketed) becomes two instructions:
+
+    %w = sbpc.issue(x, kind="all_reduce_coalesced", axis="dp", ...) : work[]
+    %a, %b = sbpc.wait(%w) : (f32[...], f32[...])
+
+The issue goes right after the last instruction its inputs need (a gradient bucket: after the
+backward op that makes its last gradient, so the rest of the backward runs while it is reduced,
+as DDP and Megatron's --overlap-grad-reduce do), never before an earlier collective's issue, so
+the ranks of a group issue in the one order the plan had. A gather of a program input (a ZeRO-3
+parameter shard) goes no earlier than the start of the layer before its reader's: it is
+prefetched one layer ahead. The wait goes right before the first
+instruction that reads a result. Both stay inside the collective's task (its stage and role) in
+a pipelined plan, whose tasks are cut by role; a one-task plan lets a gradient bucket issued in
+the backward be waited for by the optimizer. The decision is made here, at compile time, and is
+in the plan and the text IR: the run is as deterministic as before, and
+``runtime.overlap.check_issue_order`` proves every issue is waited exactly once, after it,
+within its task, in the compiler (after this pass) and in the runtime (before any rank runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.ir.types import Graph, Node, Ref, TensorType
+from sbpc.compiler.pass_manager import Fact
+from sbpc.compiler.pipelining.stage_policy import layer_key
+from sbpc.errors import CompileError
+from sbpc.runtime.collectives import ISSUABLE
+from sbpc.runtime.kinds import ISSUE, WAIT, Collective
+from sbpc.runtime.overlap import OrderError, check_issue_order
+from sbpc.runtime.sbp import Broadcast
+
+WORK = TensorType((), "work")
+
+
+@dataclass
+class Overlap:
+    name: str = "overlap"
+    needs: ClassVar[tuple[Fact, ...]] = (Fact.BOXED,)
+    provides: ClassVar[tuple[Fact, ...]] = ()
+
+    def apply(self, graph: Graph, ctx) -> Graph:
+        one_task = graph.schedule is None
+        nodes = list(graph.nodes)
+        if not any(_issuable(n) for n in nodes):
+            return graph
+        nodes = _sink_views(nodes, one_task)
+        split = [i for i, n in enumerate(nodes) if _issuable(n)]
+        producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
+        readers: dict[str, list[int]] = {}
+        for i, n in enumerate(nodes):
+            for u in n.uses():
+                readers.setdefault(u, []).append(i)
+        task = [(n.stage, n.role) for n in nodes]
+        layer_start = _previous_layer_starts(nodes)
+        # where each issue and wait goes: before the node at that index (ties keep program order)
+        issue_at: dict[int, float] = {}
+        wait_at: dict[int, float] = {}
+        floor = -1.0
+        for i in split:
+            n = nodes[i]
+            lo = i
+            while lo > 0 and (one_task or task[lo - 1] == task[i]) and lo - 1 > floor:
+                lo -= 1
+            # after what makes its inputs: an instruction, or the wait of an earlier collective
+            deps = [wait_at[d] + 1e-4 if d in wait_at else d + 1 for d in (producer[u] for u in n.uses() if u in producer)]
+            if len(deps) < len(set(n.uses())):
+                # it reads a program input (a ZeRO-3 parameter shard): prefetch it one layer
+                # ahead, not all at the start, or every layer's full weights would be alive at once
+                lo = max(lo, layer_start[i])
+            at = max([lo, *deps])
+            floor = issue_at[i] = max(at, floor + 1e-3)  # issues keep their order
+            end = len(nodes) if one_task else _task_end(task, i)
+            first = min([r for o in n.outputs for r in readers.get(o, [])], default=end)
+            wait_at[i] = min(first, end) - 1e-3
+        out: list[tuple[float, int, Node]] = []
+        for i, n in enumerate(nodes):
+            if i not in issue_at:
+                out.append((float(i), 0, n))
+                continue
+            w = f"{n.outputs[0]}_work"
+            nd_b = [tuple(Broadcast() for _ in (n.sbp[0] if n.sbp else ()))]
+            kind = Collective.of(n.op)
+            out.append((issue_at[i] - 1e-6, 1, replace(n, outputs=[w], op=ISSUE, kwargs={"kind": kind.value, **n.kwargs},
+                                                       types=[WORK], sbp=nd_b if n.sbp else None,
+                                                       why=f"{kind.value} issued here, waited for at its first reader")))
+            out.append((wait_at[i], 2, replace(n, op=WAIT, args=(Ref(w),), kwargs={},
+                                               sbp_in=nd_b if n.sbp_in else None)))
+        out.sort(key=lambda t: (t[0], t[1]))
+        nodes = [n for _, _, n in out]
+        try:
+            check_issue_order([(n.op, n.outputs, list(n.uses()), (n.stage, n.role)) for n in nodes], one_task=one_task)
+        except OrderError as err:  # a bug of this pass, not of the user's program
+            raise CompileError(f"overlap: {err}") from err
+        return replace(graph, nodes=nodes)
+
+
+# layout-only ops (no compute): one that reads a collective's result (the transpose of a
+# reduced weight gradient) moves down to its own first reader, so it does not pull the wait up
+_VIEWS = frozenset({"aten.t.default", "aten.transpose.int", "aten.view.default", "aten.reshape.default",
+                    "aten._unsafe_view.default", "aten.permute.default", "aten.squeeze.dim", "aten.unsqueeze.default"})
+
+
+def _sink_views(nodes: list[Node], one_task: bool) -> list[Node]:
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for u in n.uses():
+            readers.setdefault(u, []).append(i)
+    carried = {o for n in nodes if _issuable(n) for o in n.outputs}  # results, and views of them
+    for n in nodes:
+        if n.op in _VIEWS and any(u in carried for u in n.uses()):
+            carried.update(n.outputs)
+    task = [(n.stage, n.role) for n in nodes]
+    pos = [float(i) for i in range(len(nodes))]
+    for i in reversed(range(len(nodes))):
+        n = nodes[i]
+        if n.op not in _VIEWS or not any(u in carried for u in n.uses()):
+            continue
+        first = min([pos[r] for o in n.outputs for r in readers.get(o, [])], default=float(len(nodes)))
+        end = float(len(nodes) if one_task else _task_end(task, i))
+        pos[i] = max(pos[i], min(first, end) - 1e-3 * (1 + 1e-3 * i))  # never up; before its reader
+    return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: (pos[i], i))]
+
+
+def _issuable(n: Node) -> bool:
+    kind = Collective.of(n.op)
+    return kind in ISSUABLE and n.kwargs.get("axis") != MICROBATCH
+
+
+def _previous_layer_starts(nodes: list[Node]) -> list[int]:
+    """Per node: the index where the layer before its own (``layer_key`` of its module, in
+    program order) begins; 0 in the first two layers."""
+    out, starts, key = [], [0], None
+    for i, n in enumerate(nodes):
+        k = layer_key(n.loc.module) if n.loc is not None else key
+        if k != key and i:
+            starts.append(i)
+        key = k
+        out.append(starts[-2] if len(starts) >= 2 else 0)
+    return out
+
+
+def _task_end(task: list, i: int) -> int:
+    j = i
+    while j < len(task) and task[j] == task[i]:
+        j += 1
+    return j

@@ -1,0 +1,62 @@
+"""The order of issued collectives: every ``sbpc.issue`` is waited for exactly once, after it
+and inside its task; issues keep one order. All ranks of a stage run the same program, so
+with this order a rank can only wait for a collective its peers have already issued (the
+earliest waiting rank's collective was issued by every peer, which are all past it), and no
+rank waits for another in a cycle. The compiler checks it after the overlap pass, and the
+runtime again before any rank runs, so an edited plan fails in one line instead of hanging.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+from sbpc.errors import PlanError
+from sbpc.runtime.kinds import ISSUE, WAIT
+
+
+class OrderError(PlanError):
+    """An issued collective waited for before it is issued, twice, or never (a deadlock)."""
+
+
+def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashable]], *, one_task: bool) -> None:
+    """``program``: per instruction (op, outs, uses, task). ``one_task``: the program runs as one
+    function (no pipeline), so a wait may be in another phase than its issue."""
+    flying: dict[str, tuple[int, Hashable]] = {}
+    for k, (op, outs, uses, task) in enumerate(program):
+        if op == ISSUE:
+            flying[outs[0]] = (k, task)
+        elif op == WAIT:
+            w = uses[0]
+            if w not in flying:
+                raise OrderError(f"deadlock: instruction {k} waits for %{w} before it is issued "
+                                 f"(the peers of its group would wait for this rank forever)",
+                                 hint="the plan's issue and wait order is broken; recompile it")
+            at, issued_in = flying.pop(w)
+            if not one_task and issued_in != task:
+                raise OrderError(f"deadlock: %{w} is issued in task {issued_in} (instruction {at}) "
+                                 f"but waited for in {task} (instruction {k})",
+                                 hint="the plan's issue and wait order is broken; recompile it")
+        for u in uses:
+            if op != WAIT and u in flying:
+                raise OrderError(f"instruction {k} ({op}) reads %{u}, a collective in flight",
+                                 hint="the plan's issue and wait order is broken; recompile it")
+    if flying:
+        w, (at, _) = next(iter(flying.items()))
+        raise OrderError(f"deadlock: %{w} issued at instruction {at} is never waited for",
+                         hint="the plan's issue and wait order is broken; recompile it")
+
+
+def check_plan(plan) -> None:
+    """``check_issue_order`` of every stage program of ``plan``."""
+    for prog in plan.stages:
+        check_issue_order([(i.op, i.outs, _refs(i.args) + _refs(list(i.kwargs.values())), (i.stage, i.role))
+                           for i in prog.instructions], one_task=plan.pipeline is None)
+
+
+def _refs(args) -> list[str]:
+    out = []
+    for a in args:
+        if isinstance(a, list):
+            out += _refs(a)
+        elif hasattr(a, "ref"):
+            out.append(a.ref)
+    return out

@@ -1,0 +1,85 @@
+"""The overlap pass: gradient buckets issued during the backward and waited for by the
+optimizer, the order checked in the compiler and again by the runtime (a broken order is a
+one-line deadlock error, never a hang). Parity of overlapped plans: tests/test_parallel.py."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sbpc.compiler.driver import compile_model
+from sbpc.compiler.frontend.model_loader import load_model
+from sbpc.compiler.frontend.optim import OptimizerConfig
+from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.ir.parser import parse_graph
+from sbpc.compiler.ir.printer import print_graph
+from sbpc.runtime.backend import make_backend
+from sbpc.runtime.kinds import ISSUE, WAIT
+from sbpc.runtime.overlap import OrderError, check_plan
+from sbpc.runtime.runner import Runner
+
+MID = {"preset": "tiny", "hidden": 128, "layers": 2, "seq": 64}  # 1.9 MB of gradients: two buckets
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_model(load_model("examples/gpt.py", MID), parse_mesh("2x1"), batch_size=16, optimizer=OptimizerConfig())
+
+
+@pytest.fixture(scope="module")
+def plan(compiled):
+    return compiled.plan
+
+
+def test_issue_and_wait_print_and_parse_back(compiled):
+    text = print_graph(compiled.graph)
+    assert re.search(r'= sbpc\.issue\(\[%\w+, .*kind="all_reduce_coalesced", axis="dp".*\) : work\[\] \{role=bwd', text)
+    assert re.search(r"= sbpc\.wait\(%\w+_work\) : \(f32\[", text)
+    assert print_graph(parse_graph(text)) == text
+
+
+def _program(plan):
+    return plan.stages[0].instructions
+
+
+def test_the_first_gradient_bucket_is_reduced_while_the_backward_goes_on(plan):
+    ins = _program(plan)
+    buckets = [k for k, i in enumerate(ins) if i.op == ISSUE and i.kwargs["kind"] == "all_reduce_coalesced"]
+    assert len(buckets) == 2, [i.kwargs for i in ins if i.op == ISSUE]
+    made = {o: k for k, i in enumerate(ins) for o in i.outs}
+    first, second = buckets
+    # the last layers' bucket flies while the backward makes the gradients of the second one
+    assert first < max(made[a.ref] for a in _refs(ins[second].args)) < second
+    waits = {i.args[0].ref: k for k, i in enumerate(ins) if i.op == WAIT}
+    for k in buckets:
+        # waited for where the optimizer first reads a reduced gradient, not at once
+        w = waits[ins[k].outs[0]]
+        readers = [j for j, i in enumerate(ins) if set(ins[w].outs) & {a.ref for a in _refs(i.args)}]
+        assert w > k + 1 and readers and w == min(readers) - 1
+
+
+def _refs(args):
+    for a in args:
+        if isinstance(a, list):
+            yield from _refs(a)
+        elif hasattr(a, "ref"):
+            yield a
+
+
+def test_a_wait_moved_before_its_issue_is_a_deadlock_error_at_load(plan):
+    ins = list(_program(plan))
+    k = next(k for k, i in enumerate(ins) if i.op == ISSUE and i.kwargs["kind"] == "all_reduce_coalesced")
+    w = next(j for j, i in enumerate(ins) if i.op == WAIT and i.args[0].ref == ins[k].outs[0])
+    ins.insert(k, ins.pop(w))  # the wait now comes first
+    broken = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"instructions": ins})]})
+    check_plan(plan)  # the compiled order is fine
+    with pytest.raises(OrderError, match=rf"deadlock: instruction {k} waits for %{ins[k + 1].outs[0]} before it is issued"):
+        Runner(broken, make_backend("cpu"))
+
+
+def test_an_issue_never_waited_for_is_refused(plan):
+    ins = [i for i in _program(plan) if not (i.op == WAIT and i.args[0].ref.startswith("getitem"))]
+    assert len(ins) == len(_program(plan)) - 1  # the token mask's gather
+    broken = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"instructions": ins})]})
+    with pytest.raises(OrderError, match="is never waited for"):
+        check_plan(broken)
