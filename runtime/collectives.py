@@ -91,7 +91,8 @@ def _start_all_reduce_coalesced(backend: Backend, xs: list[torch.Tensor], axis: 
     if len(group) == 1:
         return Done(list(xs))
     work = backend.communicator.start("all_reduce", torch.cat([x.reshape(-1) for x in xs]), group, op=_reduce(reduce))
-    return _Flight(work, lambda flat: [piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in xs]), xs)])
+    shapes, sizes = [x.shape for x in xs], [x.numel() for x in xs]  # not the inputs: they may die at the issue
+    return _Flight(work, lambda flat: [piece.view(s) for piece, s in zip(flat.split(sizes), shapes)])
 
 
 def _start_all_gather(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: int = 1) -> Work:
@@ -134,8 +135,8 @@ def _start_reduce_scatter_coalesced(backend: Backend, xs: list[torch.Tensor], ax
     chunks = [[take_chunk(x, s, j, n) for x, s in zip(xs, splits)] for j in range(n)]
     flat = torch.cat([c.reshape(-1) for per_rank in chunks for c in per_rank])
     work = backend.communicator.start("reduce_scatter", flat, group, dim=0, op=_reduce(reduce))
-    mine = chunks[index]
-    return _Flight(work, lambda got: [piece.view(c.shape) for piece, c in zip(got.split([c.numel() for c in mine]), mine)])
+    shapes, sizes = [c.shape for c in chunks[index]], [c.numel() for c in chunks[index]]
+    return _Flight(work, lambda got: [piece.view(s) for piece, s in zip(got.split(sizes), shapes)])
 
 
 def _start_all_gather_coalesced(backend: Backend, xs: list[torch.Tensor], axis: str, dims: list[int],
@@ -147,11 +148,13 @@ def _start_all_gather_coalesced(backend: Backend, xs: list[torch.Tensor], axis: 
     if n == 1:
         return Done(list(xs))
     work = backend.communicator.start("all_gather", torch.cat([x.reshape(-1) for x in xs]), group, dim=0)
+    shapes, sizes = [x.shape for x in xs], [x.numel() for x in xs]  # not the inputs: they may die at the issue
+    splits = [Split(_dim(x, d), k) for x, d, k in zip(xs, dims, parts)]
 
     def finish(flat):
-        per_rank = [piece.split([x.numel() for x in xs]) for piece in flat.chunk(n)]
-        return [join_chunks([per_rank[j][t].view(x.shape) for j in range(n)], Split(_dim(x, d), k))
-                for t, (x, d, k) in enumerate(zip(xs, dims, parts))]
+        per_rank = [piece.split(sizes) for piece in flat.chunk(n)]
+        return [join_chunks([per_rank[j][t].view(shape) for j in range(n)], split)
+                for t, (shape, split) in enumerate(zip(shapes, splits))]
     return _Flight(work, finish)
 
 
