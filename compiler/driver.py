@@ -16,7 +16,7 @@ from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.compiler.memory.estimate import fits
-from sbpc.errors import CompileError, UsageError
+from sbpc.errors import CompileError
 from sbpc.runtime.kinds import Precision, Recompute
 from sbpc.runtime.plan import LossScaling, ModelRef, Plan, PrecisionSpec
 
@@ -34,7 +34,6 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                   enforce_budget: bool = True) -> CompileResult:
     """``enforce_budget``: refuse a plan that does not fit ``memory.device_memory`` (`sbpc
     memory` turns it off to print the table)."""
-    _refuse_unbuilt(memory)
     mesh = mesh.with_microbatches(pipeline.microbatches)
     # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
     _manager(passes, ctx or CompileContext(), pipeline,
@@ -64,13 +63,6 @@ def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: Memor
     worst = max(over, key=lambda r: r.total)
     term, nbytes = advice.biggest_term(worst)
 
-    def built(option: MemoryOptions) -> bool:
-        try:
-            _refuse_unbuilt(option)
-        except UsageError:
-            return False
-        return True
-
     def estimate(change: advice.Change):
         try:
             quiet = CompileContext(verify=False, log=io.StringIO())  # a probe: its warnings are not the user's
@@ -79,13 +71,13 @@ def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: Memor
         except SbpcError:  # the model or batch cannot take this change (heads over tp, batch over dp)
             return None
 
-    fit = advice.first_fit(advice.candidates(mesh, memory, built), estimate, budget)
+    fit = advice.first_fit(advice.candidates(mesh, memory), estimate, budget)
     devices = f"{worst.ranks} device{'s' if worst.ranks > 1 else ''}"
     message = (f"{worst.role} ({devices}) needs {advice.gb(worst.total)} per device at its peak ({worst.peak_at}), "
                f"over --device-memory {advice.gb(budget)}; its biggest term is {term} ({advice.gb(nbytes)})")
     if fit is None:
         hint = "no single change sbpc can make fits (tried: " + ", ".join(
-            c.label for c in advice.candidates(mesh, memory, built)) + "); see `sbpc memory` for every role"
+            c.label for c in advice.candidates(mesh, memory)) + "); see `sbpc memory` for every role"
     else:
         change, fitted = fit
         top = max(fitted, key=lambda r: r.total)
@@ -115,7 +107,7 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
 def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> PassManager:
     """The pass manager of ``passes`` (default: the whole pipeline), its contracts checked,
     lowering's included."""
-    passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero)
+    passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero, memory.offload)
     manager = PassManager(passes, ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager
@@ -145,13 +137,6 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
     raise CompileError(f"no --recompute mode fits --device-memory {memory.device_memory / 2**20:,.1f} MiB: with full "
                        f"recompute {worst.role} needs {worst.total / 2**20:,.1f} MiB",
                        hint="a ZeRO stage, more tp or pp, or a smaller batch")
-
-
-def _refuse_unbuilt(memory: MemoryOptions) -> None:
-    """A memory option whose pass is not built yet is refused, never ignored: optimizer offload."""
-    if memory.offload != MemoryOptions().offload:
-        raise UsageError(f"--offload {memory.offload} is not implemented yet",
-                         hint="ZeRO (--zero 1) shards the optimizer state over dp instead")
 
 
 def precision_spec(precision: Precision) -> PrecisionSpec:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from sbpc import __version__
-from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, Sym
+from sbpc.compiler.ir.types import DTYPES, DType, Graph, InputKind, Node, OutputKind, Ref, StateName, Sym
+from sbpc.compiler.passes.offload import MASTER
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.runtime.precision import LOSS_SCALE
 from sbpc.compiler.frontend.optim import OptimizerConfig
@@ -39,7 +40,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
     grad = {o.name: o.value for o in graph.outputs_of(OutputKind.GRAD)}
     update = {o.name: o.value for o in graph.outputs_of(OutputKind.UPDATE)}
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
-                          sbp=dev(i.sbp or ()), why=i.why)
+                          sbp=dev(i.sbp or ()), why=i.why, memory=i.memory)
     split = lambda i: repr(i.sbp[mb]) if mb is not None and i.sbp else None
     return P.Plan(
         sbpc_version=__version__,
@@ -48,8 +49,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         stages=programs,
         params=[P.ParamSpec(**spec(i), grad=grad[i.name], update=update[i.name]) for i in graph.inputs_of(InputKind.PARAM)],
         buffers=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BUFFER)],
-        states=[P.StateSpec(**spec(i), update=update[i.name], init="loss_scale" if i.name == LOSS_SCALE else "zeros")
-                for i in graph.inputs_of(InputKind.STATE)],
+        states=[P.StateSpec(**spec(i), update=update[i.name], **_state_init(i)) for i in graph.inputs_of(InputKind.STATE)],
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
         init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
@@ -61,6 +61,16 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
     )
 
 
+def _state_init(i) -> dict:
+    """How the runtime fills an optimizer state before the first step."""
+    if i.name == LOSS_SCALE:
+        return {"init": "loss_scale"}
+    name = StateName.parse(i.name)
+    if name.state == MASTER:  # the offloaded optimizer's copy of its parameter
+        return {"init": "param", "copies": name.param}
+    return {"init": "zeros"}
+
+
 def _instr(n: Node, free: list[str], dev, per_mb) -> P.Instruction:
     sbps = n.sbp or [()] * len(n.outputs)
     types = [P.ValueType(shape=per_mb(t, nd), dtype=t.dtype, sbp=dev(nd)) for t, nd in zip(n.types, sbps)]
@@ -69,7 +79,7 @@ def _instr(n: Node, free: list[str], dev, per_mb) -> P.Instruction:
                          kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
                          outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc,
                          sbp_in=[dev(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
-                         why=n.why)
+                         why=n.why, memory=n.memory)
 
 
 def encode_arg(a):

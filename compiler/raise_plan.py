@@ -30,7 +30,8 @@ def raise_plan(plan: P.Plan) -> Graph:
 
 def _input(kind: InputKind, s: P.TensorSpec) -> GraphInput:
     sbp = tuple(parse_sbp(x) for x in s.sbp) if s.sbp else None
-    return GraphInput(kind, s.value, TensorType(tuple(s.shape), DTYPE_BY_TORCH_NAME[s.dtype]), s.name, sbp, s.why)
+    return GraphInput(kind, s.value, TensorType(tuple(s.shape), DTYPE_BY_TORCH_NAME[s.dtype]), s.name, sbp, s.why,
+                      memory=s.memory)
 
 
 def _node(i: P.Instruction) -> Node:
@@ -42,6 +43,7 @@ def _node(i: P.Instruction) -> Node:
         loc=SourceLoc(i.loc.module, i.loc.file, i.loc.line) if i.loc else None, stage=i.stage,
         sbp=[tuple(parse_sbp(x) for x in t.sbp) for t in i.types] if has_sbp else None,
         sbp_in=[tuple(parse_sbp(x) for x in nd) for nd in i.sbp_in] if i.sbp_in is not None else None, why=i.why,
+        memory=i.memory,
     )
 
 

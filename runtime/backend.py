@@ -218,6 +218,21 @@ class Backend(ABC):
         bit); the Runner moves its tensors to ``device``."""
         return self
 
+    # Memory transfers (``sbpc.to_host`` / ``sbpc.to_device``, derived by boxing where a value
+    # crosses from a device placement to a host one: optimizer offload). Always a new tensor,
+    # never an alias, so the two sides never share a storage even where (cpu) they are one
+    # memory. A cuda backend overrides ``to_host`` to copy into pinned memory, which makes the
+    # copies asynchronous-capable and faster.
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in host memory."""
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return out.copy_(t)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of host tensor ``t`` in this backend's device memory."""
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        return out.copy_(t)
+
 
 def _first_argument(kernel, first, *args, **kwargs):
     kernel(first, *args, **kwargs)

@@ -242,6 +242,16 @@ def keep_first(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum"
     return shard_of(x, Partial(_reduce(reduce)), index, len(group))
 
 
+def to_host(backend: Backend, x: torch.Tensor) -> torch.Tensor:
+    """Optimizer offload: a copy of ``x`` in host memory (the backend's primitive; pinned on cuda)."""
+    return backend.to_host(x)
+
+
+def to_device(backend: Backend, x: torch.Tensor) -> torch.Tensor:
+    """A copy of host tensor ``x`` in this rank's device memory."""
+    return backend.to_device(x)
+
+
 _KERNEL = {
     Collective.ALL_REDUCE: all_reduce,
     Collective.ALL_REDUCE_COALESCED: all_reduce_coalesced,
@@ -252,6 +262,8 @@ _KERNEL = {
     Collective.ALL_TO_ALL: all_to_all,
     Collective.SHARD_SLICE: shard_slice,
     Collective.KEEP_FIRST: keep_first,
+    Collective.TO_HOST: to_host,
+    Collective.TO_DEVICE: to_device,
 }
 KERNELS = {c.op: _KERNEL[c] for c in Collective}  # by op name; a kind without a kernel fails here
 KERNELS.update({ISSUE: issue, WAIT: wait})

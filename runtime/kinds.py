@@ -27,6 +27,8 @@ class Collective(enum.StrEnum):
     ALL_TO_ALL = "all_to_all"  # S(i) -> S(j)
     SHARD_SLICE = "shard_slice"  # B -> S, local
     KEEP_FIRST = "keep_first"  # B -> P, local
+    TO_HOST = "to_host"  # device memory -> host memory, same SBP (optimizer offload)
+    TO_DEVICE = "to_device"  # host memory -> device memory, same SBP
 
     @property
     def op(self) -> str:
@@ -36,6 +38,11 @@ class Collective(enum.StrEnum):
     def moves_data(self) -> bool:
         """Whether it communicates (the others stay on the device)."""
         return self not in (Collective.SHARD_SLICE, Collective.KEEP_FIRST)
+
+    @property
+    def memory_after(self) -> MemoryKind | None:
+        """Where a memory transfer leaves its result (None: not a transfer, it stays where it is)."""
+        return {Collective.TO_HOST: MemoryKind.HOST, Collective.TO_DEVICE: MemoryKind.DEVICE}.get(self)
 
     @property
     def single(self) -> Collective:
@@ -59,6 +66,13 @@ COALESCED = {v: k for k, v in _SINGLE.items()}  # one-tensor kind -> its bucket 
 # ``%a, %b = sbpc.wait(%w)`` gives what ``sbpc.all_reduce_coalesced(x, ...)`` would have.
 ISSUE = "sbpc.issue"
 WAIT = "sbpc.wait"
+
+
+class MemoryKind(enum.StrEnum):
+    """Which memory a placement's values live in (``--offload optimizer`` puts the optimizer's
+    state and update on the host; everything else is on the device)."""
+    DEVICE = "device"
+    HOST = "host"
 
 
 class Precision(enum.StrEnum):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sbpc.errors import PlanError
 from sbpc.runtime.files import write_atomic
-from sbpc.runtime.kinds import Precision, ScheduleName
+from sbpc.runtime.kinds import MemoryKind, Precision, ScheduleName
 
 SCHEMA_VERSION = 2
 
@@ -82,6 +82,7 @@ class Instruction(_Model):
     loc: SourceLoc | None = None  # the user's module and line, for error messages
     sbp_in: list[list[str]] | None = None  # the nd-SBP it receives of each tensor input
     why: str | None = None  # how the compiler chose its SBP (`sbpc explain`)
+    memory: MemoryKind = MemoryKind.DEVICE  # where its results live (host: the offloaded optimizer)
 
 
 class TensorSpec(_Model):
@@ -92,6 +93,7 @@ class TensorSpec(_Model):
     sbp: list[str] = Field(default_factory=list)  # one entry per non-pp mesh axis
     why: str | None = None  # where its SBP came from (`sbpc explain`)
     microbatch: str | None = None  # batch inputs of a pipelined plan: how micro-batches split it ("S(0)")
+    memory: MemoryKind = MemoryKind.DEVICE  # where the runtime holds it between steps
 
 
 class ParamSpec(TensorSpec):
@@ -101,7 +103,8 @@ class ParamSpec(TensorSpec):
 
 class StateSpec(TensorSpec):
     update: str
-    init: Literal["zeros", "loss_scale"] = "zeros"  # loss_scale: filled with precision.loss_scaling.init_scale
+    init: Literal["zeros", "loss_scale", "param"] = "zeros"  # loss_scale: filled with precision.loss_scaling.init_scale
+    copies: str | None = None  # init "param": the parameter whose value it starts as (an offloaded master copy)
 
 
 class StageProgram(_Model):
@@ -176,7 +179,8 @@ class RoleMemory(_Model):
     activations: int  # forward values (and batch shards) live at the peak, all micro-batches in flight
     buffers: int  # results of collectives and transfers live inside the running task
     temporaries: int  # everything else live at the peak: backward intermediates, the update's own
-    total: int
+    total: int  # on the device; the columns above add up to it
+    host: int = 0  # host memory at the step's peak there (--offload optimizer: state, master copy, update)
     peak_at: str  # the task whose run holds the peak ("F0.3", "B1.0", "U0", "step")
     in_flight: int  # micro-batches whose values are held at the peak
     param_bytes: int  # the step's whole model state of this role: parameters,

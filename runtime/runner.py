@@ -22,6 +22,7 @@ import torch
 from sbpc.errors import ModelError, RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
+from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.model_file import import_model_file
 from sbpc.runtime.overlap import check_plan as check_issue_order
 from sbpc.runtime.plan import Plan, TensorSpec
@@ -100,15 +101,25 @@ class Runner:
         dev = self.backend.device
         # the step overwrites parameters in place (the compiler's inplace pass): not a caller's tensors
         tensors = dict(weights) if weights is not None else init_weights(self.plan, self.backend, seed)
-        self.params = {p.name: _owned(self._shard(tensors.pop(p.name), p).to(dev), weights)
-                       for p in self.plan.params if p.name in params}
-        self.buffers = {b.name: self._shard(tensors.pop(b.name), b).to(dev) for b in self.plan.buffers if b.name in buffers}
-        del tensors
         scaling = self.plan.precision.loss_scaling
         fill = lambda s: scaling.init_scale if s.init == "loss_scale" and scaling is not None else 0
-        self.states = {s.name: torch.full(local_shape(s.shape, self.spec_sbp[s.name], self.sizes), fill(s),
-                                          dtype=getattr(torch, s.dtype), device=dev)
-                       for s in self.plan.states if s.name in states}
+
+        def state(s) -> torch.Tensor:
+            if s.init == "param":  # a host copy of its parameter (optimizer offload), cut by its own SBP
+                return self._place(self._shard(tensors[s.copies], s), s)
+            return self._place(torch.full(local_shape(s.shape, self.spec_sbp[s.name], self.sizes), fill(s),
+                                          dtype=getattr(torch, s.dtype), device=dev), s)
+
+        self.states = {s.name: state(s) for s in self.plan.states if s.name in states}
+        self.params = {p.name: _owned(self._place(self._shard(tensors.pop(p.name), p), p), weights)
+                       for p in self.plan.params if p.name in params}
+        self.buffers = {b.name: self._place(self._shard(tensors.pop(b.name), b), b) for b in self.plan.buffers
+                        if b.name in buffers}
+        del tensors
+
+    def _place(self, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """``t`` in the memory the plan holds ``spec`` in (host: the offloaded optimizer's state)."""
+        return self.backend.to_host(t) if spec.memory == MemoryKind.HOST else t.to(self.backend.device)
 
     def _nd(self, sbp: list[str]) -> NdSbp:
         """The nd-SBP of a plan entry, one per sbp axis of the mesh (missing entries: B)."""

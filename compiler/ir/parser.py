@@ -17,6 +17,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput
 
 from pydantic import ValidationError
 
+from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.plan import PipelineSpec
 from sbpc.compiler.ir.types import (
     DTYPES, DType, Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role,
@@ -85,6 +86,10 @@ def _enum(cls, token: Token, what: str):
         raise _Reject(token, f"unknown {what} {str(token)!r}", f"{what} is one of {allowed}") from None
 
 
+def _memory(token: Token | None) -> MemoryKind:
+    return MemoryKind.DEVICE if token is None else _enum(MemoryKind, token, "memory kind")
+
+
 @v_args(inline=True)
 class _Build(Transformer):
     """Builds the IR bottom-up; stateless, so the cached parser can share one instance."""
@@ -124,8 +129,16 @@ class _Build(Transformer):
     def mesh_axis(self, name, size):
         return name, size
 
-    def input(self, kind, value, type_, name, sbp):
-        return GraphInput(_enum(InputKind, kind, "input kind"), value[1:], _type(type_), json.loads(name), sbp)
+    def input(self, kind, value, type_, name, attrs):
+        sbp, mem = attrs or (None, None)
+        return GraphInput(_enum(InputKind, kind, "input kind"), value[1:], _type(type_), json.loads(name), sbp,
+                          memory=_memory(mem))
+
+    def input_attrs(self, sbp, mem):
+        return sbp, mem
+
+    def input_mem(self, mem):
+        return None, mem
 
     def output(self, kind, value, name):
         return GraphOutput(_enum(OutputKind, kind, "output kind"), value[1:], json.loads(name))
@@ -145,8 +158,8 @@ class _Build(Transformer):
                               "put positional arguments first")
             else:
                 pos.append(a)
-        role, stage, sbp, sbp_in, loc = attrs
-        return Node(outputs, str(op), tuple(pos), kw, types, role, loc, stage, sbp, sbp_in)
+        role, stage, mem, sbp, sbp_in, loc = attrs
+        return Node(outputs, str(op), tuple(pos), kw, types, role, loc, stage, sbp, sbp_in, memory=_memory(mem))
 
     def results(self, *values):
         return [v[1:] for v in values]
@@ -154,8 +167,8 @@ class _Build(Transformer):
     def types(self, *types):
         return [_type(t) for t in types]
 
-    def attrs(self, role, stage, sbp, sbp_in, loc):
-        return _enum(Role, role, "role"), None if stage is None else int(stage), sbp, sbp_in, loc
+    def attrs(self, role, stage, mem, sbp, sbp_in, loc):
+        return _enum(Role, role, "role"), None if stage is None else int(stage), mem, sbp, sbp_in, loc
 
     def sbp_list(self, *nds):
         return list(nds)

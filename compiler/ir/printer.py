@@ -6,6 +6,7 @@ The format, one line per input, node and output (the grammar is ``ir_specs/ir.la
       input param %w : f32[256, 64] "wte.weight" {sbp=[B, S(0)]}
       %y = aten.mm.default(%x, %w) : f32[4, 64] {role=fwd, stage=0, sbp=[[S(0), B]], loc="h.0" @ "gpt.py":48}
       %a, %b = aten.max.dim(%y, 1) : (f32[4], i64[4]) {role=fwd}
+      %g = sbpc.to_host(%d) : f32[64] {role=opt, stage=0, mem=host, sbp=[[B, B]], sbp_in=[[B, B]]}
       output loss %l "loss"
     }
     init {
@@ -25,6 +26,7 @@ import math
 from typing import Any
 
 from sbpc.compiler.ir.types import DType, Graph, GraphInput, GraphOutput, Node, Ref, Sym
+from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.sbp import NdSbp, format_nd_sbp
 from sbpc.errors import IRError
 
@@ -48,7 +50,10 @@ def print_graph(graph: Graph) -> str:
 
 def format_input(i: GraphInput) -> str:
     text = f"input {i.kind.value} %{i.value} : {i.type} {json.dumps(i.name)}"
-    return text if i.sbp is None else f"{text} {{sbp={format_nd_sbp(i.sbp)}}}"
+    attrs = [] if i.sbp is None else [f"sbp={format_nd_sbp(i.sbp)}"]
+    if i.memory != MemoryKind.DEVICE:
+        attrs.append(f"mem={i.memory.value}")
+    return f"{text} {{{', '.join(attrs)}}}" if attrs else text
 
 
 def format_output(o: GraphOutput) -> str:
@@ -72,6 +77,8 @@ def format_attrs(n: Node) -> str:
     attrs = [f"role={n.role.value}"]
     if n.stage is not None:
         attrs.append(f"stage={n.stage}")
+    if n.memory != MemoryKind.DEVICE:  # the default placement's memory is not printed
+        attrs.append(f"mem={n.memory.value}")
     if n.sbp is not None:
         attrs.append(f"sbp={_sbp_list(n.sbp)}")
     if n.sbp_in is not None:

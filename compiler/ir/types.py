@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from sbpc.compiler.ir.mesh import Mesh
+from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.plan import DTYPES, PipelineSpec
 from sbpc.runtime.sbp import NdSbp, local_shape
 
@@ -129,6 +130,7 @@ class Node:
     sbp: list[NdSbp] | None = None  # one nd-SBP per output
     sbp_in: list[NdSbp] | None = None  # the nd-SBP it needs of each tensor use, in uses() order
     why: str | None = None  # how propagation chose its signature (`sbpc explain`); not in the text IR
+    memory: MemoryKind = MemoryKind.DEVICE  # placement's memory: host for the offloaded optimizer
 
     def uses(self) -> Iterator[str]:
         yield from _refs(self.args)
@@ -192,7 +194,7 @@ class StateName:
     """The name of an optimizer state input: which state of which parameter. Its text form
     (in the IR, the plan and checkpoints) is ``exp_avg:h.0.attn.c_attn.weight``; the step
     counter, shared by every parameter, is ``step``."""
-    state: str  # exp_avg, exp_avg_sq, momentum_buffer, step
+    state: str  # exp_avg, exp_avg_sq, momentum_buffer, step; master (--offload optimizer: the host's copy)
     param: str | None = None  # the parameter's FQN; None: shared
 
     def __str__(self) -> str:
@@ -212,6 +214,7 @@ class GraphInput:
     name: str  # param/buffer FQN, a StateName's text ("exp_avg:h.0.attn.c_attn.weight"), or "batch.0"
     sbp: NdSbp | None = None
     why: str | None = None  # where its SBP came from (`sbpc explain`); not in the text IR
+    memory: MemoryKind = MemoryKind.DEVICE  # where the runtime holds it between steps
 
     @property
     def state_of(self) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sbpc.compiler.ir.aten import is_mutating, overwritten
 from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
+from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
 
@@ -120,10 +121,25 @@ def _loc(n: Node) -> str | None:
 
 
 def verify_boxed(graph: Graph) -> None:
-    """After boxing: every op receives exactly the nd-SBP it asked for, and each updated
-    parameter or state leaves the step in the layout it came in with."""
+    """After boxing: every op receives exactly the nd-SBP it asked for, in its own memory (a
+    transfer, from the other one), and each updated parameter or state leaves the step in the
+    layout and memory it came in with."""
     sbp = {i.value: i.sbp for i in graph.inputs}
+    mem = {i.value: i.memory for i in graph.inputs}
     for n in graph.nodes:
+        kind = Collective.of(n.op)
+        moved = kind.memory_after if kind is not None else None
+        if moved is not None and moved != n.memory:
+            raise IRError(f"{n.op} leaves its result in {moved.value} memory but is placed on {n.memory.value}",
+                          location=_loc(n), hint="this is a compiler bug; run with --print-after-all to see the pass")
+        for u in n.uses():
+            have = mem.get(u, MemoryKind.DEVICE)
+            if (have == n.memory) == (moved is not None):
+                raise IRError(f"{n.op} on {n.memory.value} reads %{u} from {have.value} memory: "
+                              f"{'a transfer that moves nothing' if moved else 'a transfer is missing'}",
+                              location=_loc(n), hint="this is a compiler bug; run with --print-after-all to see the pass")
+        for o in n.outputs:
+            mem[o] = n.memory
         if n.sbp_in is not None:
             uses = list(n.uses())
             if len(uses) != len(n.sbp_in):
@@ -138,6 +154,9 @@ def verify_boxed(graph: Graph) -> None:
     for o in graph.outputs_of(OutputKind.UPDATE):
         if sbp.get(o.value) != inputs[o.name].sbp:
             raise IRError(f"update of {o.name!r} is {_fmt(sbp.get(o.value))} but the input is {_fmt(inputs[o.name].sbp)}")
+        if mem.get(o.value) != inputs[o.name].memory:
+            raise IRError(f"update of {o.name!r} is in {mem.get(o.value).value} memory but the input is in "
+                          f"{inputs[o.name].memory.value}")
 
 
 def _fmt(nd) -> str:

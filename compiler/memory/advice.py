@@ -2,16 +2,17 @@
 
 The changes are tried cheapest first and each one is re-estimated by compiling under it (the
 estimate is the compiler's, so a change is named only when the plan it gives fits on every
-role). Options that are not built are never named. The ranking is by the usual cost of each
-change, not a priced comparison:
+role). The ranking is by the usual cost of each change, not a priced comparison:
 
 1. ZeRO 1, then 2: the gradient all-reduce becomes a reduce-scatter + all-gather of the same bytes;
 2. selective recompute: a few percent more compute (softmax, dropout, attention scores);
 3. ZeRO 3: parameters gathered per layer, half again the dp traffic;
 4. full recompute: a second forward of every layer (a third more compute);
-5. a mesh with the same devices and twice the tp, then twice the pp (dp halved): more tp
+5. optimizer offload: every gradient and updated parameter crosses the host link each step,
+   and the update runs on the host's cores;
+6. a mesh with the same devices and twice the tp, then twice the pp (dp halved): more tp
    traffic, a longer pipeline bubble;
-6. twice the tp, then twice the pp, on twice the devices.
+7. twice the tp, then twice the pp, on twice the devices.
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def _with(mesh: Mesh, **sizes: int) -> Mesh:
     return Mesh(tuple((n, axes[n]) for n in KNOWN_AXES if n in axes)).with_microbatches(mesh.size(MICROBATCH))
 
 
-def candidates(mesh: Mesh, memory: MemoryOptions, built: Callable[[MemoryOptions], bool]) -> list[Change]:
-    """The changes to try, cheapest first; memory options only where ``built`` says they exist."""
+def candidates(mesh: Mesh, memory: MemoryOptions) -> list[Change]:
+    """The changes to try, cheapest first."""
     out: list[Change] = []
     order = [("zero", 1), ("zero", 2), ("recompute", Recompute.SELECTIVE), ("zero", 3), ("recompute", Recompute.FULL)]
     rank = {Recompute.NONE: 0, Recompute.SELECTIVE: 1, Recompute.FULL: 2}
@@ -56,9 +57,9 @@ def candidates(mesh: Mesh, memory: MemoryOptions, built: Callable[[MemoryOptions
             continue
         if key == "recompute" and rank.get(memory.recompute, 3) >= rank[value]:
             continue
-        option = replace(memory, **{key: value})
-        if built(option):
-            out.append(Change(f"--{key} {getattr(value, 'value', value)}", mesh, option))
+        out.append(Change(f"--{key} {getattr(value, 'value', value)}", mesh, replace(memory, **{key: value})))
+    if memory.offload == "none":
+        out.append(Change("--offload optimizer", mesh, replace(memory, offload="optimizer")))
     dp, tp, pp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp")
     meshes = []
     if dp % 2 == 0:

@@ -12,6 +12,7 @@ from sbpc.compiler.passes.inplace import InPlace
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
 from sbpc.compiler.passes.normalize import Normalize
+from sbpc.compiler.passes.offload import Offload
 from sbpc.compiler.passes.overlap import Overlap
 from sbpc.compiler.passes.recompute import Recompute
 from sbpc.compiler.passes.random_draws import RandomDraws
@@ -22,7 +23,7 @@ from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
                                 SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, InPlace, MemoryPlan, Zero,
-                                Overlap)}
+                                Overlap, Offload)}
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,13 @@ class PipelineOptions:
 
 
 def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,
-                     zero: int = 0):
+                     zero: int = 0, offload: str = "none"):
     """The passes `sbpc compile` runs, in order. ZeRO (hints on the dp axis) runs before the
-    stage partition places its hints. Recompute runs on the boxed graph (its clones
+    stage partition places its hints, and after offload, so the master copies it adds are split
+    like the rest of the optimizer state. Recompute runs on the boxed graph (its clones
     copy SBPs and collectives) before localize and schedule (which treat clones as any op)."""
     v = pipeline.virtual_stages
-    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Zero(stage=zero),
+    return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
             InPlace(), MemoryPlan(), Overlap()]

@@ -8,7 +8,13 @@ result it converts (the row-parallel matmul, not the layer norm after it), and i
 names the op that needed it (a parameter split over dp, ZeRO-3, is converted again in each
 phase rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
-The pass ends by verifying that every consumer receives exactly the SBP it expects.
+
+Memory is part of the placement (``--offload optimizer`` puts the optimizer on the host): where
+a consumer's memory is not its input's, a ``to_host`` or ``to_device`` transfer joins the
+steps. Collectives run in device memory, so a value bound for the host is converted on the
+device first and moved last, and one coming from the host moves first; a host-to-host
+conversion that communicates goes through the device (a local slice stays on the host).
+The pass ends by verifying that every consumer receives exactly the SBP and memory it expects.
 """
 from __future__ import annotations
 
@@ -20,7 +26,10 @@ from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
+from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.sbp import NdSbp, Split, format_nd_sbp
+
+HOST, DEVICE = MemoryKind.HOST, MemoryKind.DEVICE
 
 
 @dataclass
@@ -39,6 +48,7 @@ class _Inserter:
         self.axes = graph.mesh.sbp_axes
         self.sizes = tuple(graph.mesh.size(a) for a in self.axes)
         self.sbp: dict[str, NdSbp] = {i.value: i.sbp for i in graph.inputs}
+        self.mem: dict[str, MemoryKind] = {i.value: i.memory for i in graph.inputs}
         self.types = graph.value_types()
         self.boxed: dict[tuple[str, NdSbp], str] = {}
         self.rename: dict[str, str] = {}
@@ -54,14 +64,19 @@ class _Inserter:
     def run(self) -> Graph:
         for n in self.g.nodes:
             n = _rename_positions(n, [self.rename.get(u, u) for u in n.uses()])
-            if n.op == HINT_OP:
+            if n.op == HINT_OP:  # pins an SBP, not a memory: the value stays where it is
                 src = n.args[0].name
                 need = n.sbp_in[0] if n.sbp_in else self.sbp.get(src)
-                self.rename[n.outputs[0]] = self.convert(src, need, n) if need is not None else src
+                self.rename[n.outputs[0]] = self.convert(src, need, n, self.mem.get(src, DEVICE)) \
+                    if need is not None else src
                 continue
             if n.sbp_in is not None:
                 n = _rename_positions(n, [self.convert(u, need, n) for u, need in zip(n.uses(), n.sbp_in)])
+            elif any(self.mem.get(u, DEVICE) != n.memory for u in n.uses()):
+                n = _rename_positions(n, [self.convert(u, self.sbp.get(u), n) for u in n.uses()])
             self.out.append(n)
+            for o in n.outputs:
+                self.mem[o] = n.memory
             for o, nd in zip(n.outputs, n.sbp or []):
                 self.sbp[o] = nd
         outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
@@ -71,27 +86,46 @@ class _Inserter:
             verify_boxed(graph)
         return graph
 
-    def convert(self, value: str, need: NdSbp, consumer: Node) -> str:
-        have = self.sbp.get(value)
-        if have is None or have == need:
+    def convert(self, value: str, need: NdSbp | None, consumer: Node, memory: MemoryKind | None = None) -> str:
+        """``value`` as ``need`` in ``memory`` (default: the consumer's)."""
+        have, mem = self.sbp.get(value), self.mem.get(value, DEVICE)
+        memory = consumer.memory if memory is None else memory
+        if have is None or need is None:
+            have = need = have or need
+        if have == need and mem == memory:
             return value
-        key = (value, need, self._phase(value, consumer))
+        key = (value, need, memory, self._phase(value, consumer))
         if key in self.boxed:
             return self.boxed[key]
-        cur_name, cur = value, have
-        for step in plan_boxing(have, need, self.types[value], self.sizes):
-            name = self.fresh(f"{value}_{step.kind}")
-            self.out.append(Node(
-                [name], step.op, (Ref(cur_name),), {"axis": self.axes[step.axis], **dict(step.kwargs)},
-                [self.types[value]], consumer.role, loc=self.made_at.get(value) or consumer.loc, stage=consumer.stage,
-                sbp=[step.after], sbp_in=[cur],
-                why=f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}"))
-            self.sbp[name] = step.after
-            self.types[name] = self.types[value]
-            self.made_at[name] = self.made_at.get(value)
-            cur_name, cur = name, step.after
-        self.boxed[key] = cur_name
-        return cur_name
+        why = f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}" \
+            if have is not None else f"%{value} for {consumer.op}"
+        steps = plan_boxing(have, need, self.types[value], self.sizes) if have != need else []
+        through_device = mem == HOST and any(s.kind.moves_data for s in steps)  # collectives run on the device
+        cur = (value, have)
+        if mem == HOST and (memory == DEVICE or through_device):
+            cur = self._emit(cur, Collective.TO_DEVICE.op, {}, have, DEVICE, consumer, value, why)
+            mem = DEVICE
+        for step in steps:
+            cur = self._emit(cur, step.op, {"axis": self.axes[step.axis], **dict(step.kwargs)}, step.after, mem,
+                             consumer, value, why)
+        if mem == DEVICE and memory == HOST:
+            cur = self._emit(cur, Collective.TO_HOST.op, {}, need, HOST, consumer, value, why)
+        self.boxed[key] = cur[0]
+        return cur[0]
+
+    def _emit(self, cur: tuple[str, NdSbp], op: str, kwargs: dict, after: NdSbp, memory: MemoryKind, consumer: Node,
+              value: str, why: str) -> tuple[str, NdSbp]:
+        """One step of a conversion of ``value``, from ``cur`` (name, SBP) to ``after`` in ``memory``."""
+        name = self.fresh(f"{value}_{op.rpartition('.')[2]}")
+        self.out.append(Node(
+            [name], op, (Ref(cur[0]),), kwargs, [self.types[value]], consumer.role,
+            loc=self.made_at.get(value) or consumer.loc, stage=consumer.stage,
+            sbp=[after] if after is not None else None, sbp_in=[cur[1]] if cur[1] is not None else None, why=why,
+            memory=memory))
+        self.sbp[name], self.mem[name] = after, memory
+        self.types[name] = self.types[value]
+        self.made_at[name] = self.made_at.get(value)
+        return name, after
 
     def _phase(self, value: str, consumer: Node) -> Role | None:
         """Conversions are shared by all consumers, except a regathered parameter's: per phase."""
@@ -105,8 +139,10 @@ class _Inserter:
         fixed = []
         for o in outputs:
             src = by_name.get(o.name) if o.kind == OutputKind.UPDATE else None
-            if src is not None and src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp):
-                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value))
+            moved = src is not None and self.mem.get(o.value, DEVICE) != src.memory
+            if src is not None and (moved or src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp)):
+                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value),
+                              memory=src.memory)
                 o = replace(o, value=self.convert(o.value, src.sbp, anchor))
             fixed.append(o)
         return fixed
