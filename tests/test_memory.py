@@ -159,8 +159,8 @@ def test_compile_refuses_a_plan_over_the_budget_in_one_line(tmp_path):
     assert line.startswith("sbpc: error: stage 0 (1 device) needs ")
     assert "over --device-memory 1.0 MB; its biggest term is " in line
     # every change sbpc can make was re-estimated, and none fits a megabyte
-    assert "hint: no single change sbpc can make fits (tried: --recompute selective, --recompute full, --mesh 1x2x1, " \
-           "--mesh 1x1x2)" in line
+    assert "hint: no single change sbpc can make fits (tried: --recompute selective, --recompute full, --offload optimizer, " \
+           "--mesh 1x2x1, --mesh 1x1x2)" in line
     assert not (tmp_path / "p.json").exists()
 
 

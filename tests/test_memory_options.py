@@ -44,11 +44,18 @@ def test_config_memory_table(tmp_path):
     assert err.value.location == f"{bad}:5"
 
 
-def test_an_unbuilt_option_is_refused_not_ignored():
-    from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.frontend.model_loader import load_model
-    from sbpc.compiler.frontend.optim import OptimizerConfig
-    from sbpc.compiler.ir.mesh import parse_mesh
-    with pytest.raises(UsageError, match=r"^--offload optimizer is not implemented yet"):
-        compile_model(load_model("examples/mlp.py"), parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig(),
-                      memory=MemoryOptions(offload="optimizer"))
+def test_offload_from_the_config_table(tmp_path):
+    """`offload = "optimizer"` in [memory] reaches the compiler (it was refused until built):
+    the optimizer state lands in host memory, and none of it on the device."""
+    from sbpc.cli import main
+    from sbpc.runtime.kinds import MemoryKind
+    from sbpc.runtime.plan import load_plan
+    cfg = tmp_path / "off.toml"
+    cfg.write_text('[memory]\noffload = "optimizer"\n')
+    out = tmp_path / "plan.json"
+    assert main(["compile", "examples/mlp.py", "--mesh", "1", "--config", str(cfg), "-o", str(out)]) == 0
+    plan = load_plan(str(out))
+    assert plan.states and {s.memory for s in plan.states} == {MemoryKind.HOST}
+    assert plan.estimates.optimizer_state_bytes == 0 and plan.estimates.roles[0].host > 0
+    with pytest.raises(UsageError, match="offload 'gpu' is not one of none, optimizer"):
+        memory_options(offload="gpu")

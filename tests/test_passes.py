@@ -87,10 +87,11 @@ def test_print_after_and_dump_dir(tmp_path):
     assert re.findall(r"// ----- IR after (\S+) -----", log.getvalue()) == ["dce"]
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
-                     "05-zero.sbpir", "06-stage-partition.sbpir", "07-sbp-propagate.sbpir", "08-boxing.sbpir",
-                     "09-coalesce.sbpir", "10-recompute.sbpir", "11-localize.sbpir", "12-random-draws.sbpir",
-                     "13-schedule.sbpir", "14-inplace.sbpir", "15-memory-plan.sbpir", "16-overlap.sbpir"]
-    assert "stage=0" in (tmp_path / "06-stage-partition.sbpir").read_text()
+                     "05-offload.sbpir", "06-zero.sbpir", "07-stage-partition.sbpir", "08-sbp-propagate.sbpir",
+                     "09-boxing.sbpir", "10-coalesce.sbpir", "11-recompute.sbpir", "12-localize.sbpir",
+                     "13-random-draws.sbpir", "14-schedule.sbpir", "15-inplace.sbpir", "16-memory-plan.sbpir",
+                     "17-overlap.sbpir"]
+    assert "stage=0" in (tmp_path / "07-stage-partition.sbpir").read_text()
 
 
 def test_print_after_unknown_pass():

@@ -19,8 +19,12 @@ the run, not a formula:
   result nobody reads lives until the task returns; the results of a task are held by the
   runner's loop until the next task has run, even when their micro-batch is done.
 
-ZeRO (SBP of parameters and state), recompute (the graph) and precision (dtypes) change the IR,
-so the estimate follows them without knowing about them.
+ZeRO (SBP of parameters and state), recompute (the graph), precision (dtypes) and optimizer
+offload (the memory of a placement) change the IR, so the estimate follows them without knowing
+about them. The walk counts one memory at a time: the device's (the roles' columns and total),
+then, where the plan places anything there, the host's (``host``: the same walk over the values
+in host memory, so the offloaded state, master copies and the update's own values at the host's
+peak).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
-from sbpc.runtime.kinds import Collective
+from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
 from sbpc.runtime.plan import RoleMemory
 
@@ -58,7 +62,8 @@ class _Storage:
 class Storages:
     """Value -> storage (views share one), each storage's bytes per device and its term."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, memory: MemoryKind = MemoryKind.DEVICE):
+        """Storages in another ``memory`` than the one counted weigh nothing."""
         sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
         self.root: dict[str, str] = {}
         self.store: dict[str, _Storage] = {}
@@ -75,7 +80,7 @@ class Storages:
             term = {InputKind.PARAM: Term.PARAMS, InputKind.BUFFER: Term.PARAMS, InputKind.STATE: Term.OPTIMIZER,
                     InputKind.BATCH: Term.ACTIVATIONS}[i.kind]
             self.root[i.value] = i.value
-            self.store[i.value] = _Storage(i.type.local_nbytes(i.sbp, sizes), term, term)
+            self.store[i.value] = _Storage(i.type.local_nbytes(i.sbp, sizes) if i.memory == memory else 0, term, term)
         for n in graph.nodes:
             sbps = n.sbp or [None] * len(n.outputs)
             firsts = [u for u in n.uses()]
@@ -88,9 +93,9 @@ class Storages:
                 for o in n.outputs:
                     self.root[o] = self.root[firsts[0]]
                 continue
-            nbytes = [t.local_nbytes(nd, sizes) for t, nd in zip(n.types, sbps)]
+            nbytes = [t.local_nbytes(nd, sizes) if n.memory == memory else 0 for t, nd in zip(n.types, sbps)]
             staged = _staging(n, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
-            if staged:
+            if staged and n.memory == memory:
                 self.staging[id(n)] = staged
             if n.op == Collective.ALL_REDUCE_COALESCED.op and n.outputs:  # pieces of one flat bucket
                 for o in n.outputs:
@@ -245,8 +250,16 @@ class Moment:
 def estimate_memory(graph: Graph, timeline: list[Moment] | None = None) -> list[RoleMemory]:
     """One ``RoleMemory`` per pp stage of ``graph`` (after SBP; after the schedule pass the
     pipeline's firing order and in-flight micro-batches are in it). ``timeline`` receives
-    every task's ``Moment`` when given."""
-    store = Storages(graph)
+    every task's ``Moment`` when given (the device's)."""
+    roles = _estimate(graph, Storages(graph), timeline)
+    if not any(i.memory == MemoryKind.HOST for i in graph.inputs) and not any(n.memory == MemoryKind.HOST
+                                                                                 for n in graph.nodes):
+        return roles
+    host = _estimate(graph, Storages(graph, MemoryKind.HOST), None)
+    return [r.model_copy(update={"host": h.total}) for r, h in zip(roles, host)]
+
+
+def _estimate(graph: Graph, store: Storages, timeline: list[Moment] | None) -> list[RoleMemory]:
     state = _model_state(graph, store)
     sbp_devices = graph.mesh.world_size // graph.mesh.size("pp")  # the dp x tp ranks of a stage
     if graph.schedule is None:

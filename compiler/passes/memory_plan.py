@@ -15,14 +15,16 @@ from sbpc.compiler.ir.aten import overwritten
 from sbpc.compiler.memory.estimate import estimate_memory
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, OutputKind
+from sbpc.runtime.kinds import MemoryKind
 
 
 def _device_bytes(graph: Graph, sizes: tuple[int, ...]) -> dict[str, int]:
-    """Bytes each device holds of every value: its shard, once SBP is known."""
-    out = {i.value: i.type.local_nbytes(i.sbp, sizes) for i in graph.inputs}
+    """Bytes each device holds of every value: its shard, once SBP is known (none of a value in
+    host memory: the offloaded optimizer's)."""
+    out = {i.value: i.type.local_nbytes(i.sbp, sizes) if i.memory == MemoryKind.DEVICE else 0 for i in graph.inputs}
     for n in graph.nodes:
         for o, t, nd in zip(n.outputs, n.types, n.sbp or [None] * len(n.outputs)):
-            out[o] = t.local_nbytes(nd, sizes)
+            out[o] = t.local_nbytes(nd, sizes) if n.memory == MemoryKind.DEVICE else 0
     return out
 
 

@@ -23,8 +23,8 @@ def _kind(op: str) -> str | None:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # a boxing kind (all_reduce, ..., or a local step) or transfer
-    axis: str
+    kind: str  # a boxing kind (all_reduce, ..., to_host, or a local step) or transfer
+    axis: str  # a mesh axis; pp for a transfer, host for a to_host / to_device
     role: str  # fwd, bwd, opt
     module: str  # the module path of the op it serves
     loc: str
@@ -52,7 +52,8 @@ def collectives(plan: P.Plan) -> list[Collective]:
             t = ins.types[j]
             src = parse_nd_sbp(ins.sbp_in[j]) if ins.sbp_in else parse_nd_sbp(t.sbp)
             nbytes = TensorType(tuple(t.shape), t.dtype).local_nbytes(src, sizes)
-            axis = "pp" if kind == "transfer" else str(ins.kwargs.get("axis"))  # a send/recv between stages
+            # a send/recv between stages crosses pp; a to_host / to_device, the device's link to its host
+            axis = "pp" if kind == "transfer" else "host" if Kind(kind).memory_after else str(ins.kwargs.get("axis"))
             out.append(Collective(kind, axis, ins.role, ins.loc.module if ins.loc else "",
                                   str(ins.loc) if ins.loc else "", value, nbytes, call))
     return out

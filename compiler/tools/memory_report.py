@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from sbpc.runtime.plan import RoleMemory
 
-COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "temporaries", "total")
+COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "temporaries", "total")  # on the device
 
 
 def memory_json(roles: list[RoleMemory], budget: int | None) -> list[dict]:
     """One object per role: the columns in bytes per device, and whether it fits (true without a budget)."""
     return [{"role": r.role, **{c: getattr(r, c) for c in COLUMNS}, "fits": budget is None or r.total <= budget,
-             "ranks": r.ranks, "peak_at": r.peak_at, "in_flight": r.in_flight} for r in roles]
+             "host": r.host, "ranks": r.ranks, "peak_at": r.peak_at, "in_flight": r.in_flight} for r in roles]
 
 
 def _size(n: int) -> str:
@@ -20,9 +20,9 @@ def _size(n: int) -> str:
 
 
 def memory_table(roles: list[RoleMemory], budget: int | None, mesh: str) -> str:
-    head = ["role", "ranks", "peak at", "in flight", *COLUMNS, "fits"]
+    head = ["role", "ranks", "peak at", "in flight", *COLUMNS, "fits", "host"]
     rows = [[r.role, str(r.ranks), r.peak_at, str(r.in_flight), *(_size(getattr(r, c)) for c in COLUMNS),
-             "-" if budget is None else ("yes" if r.total <= budget else "NO")] for r in roles]
+             "-" if budget is None else ("yes" if r.total <= budget else "NO"), _size(r.host)] for r in roles]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     worst = max(roles, key=lambda r: r.total)
