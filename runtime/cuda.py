@@ -145,6 +145,11 @@ class CudaBackend(Backend):
         table.update({op: partial(fn, self) for op, fn in collectives.KERNELS.items()})
         return table
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Into pinned (page-locked) host memory, which the GPU's copy engine reads and writes
+        directly at the link's speed (pageable memory is staged through a bounce buffer)."""
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t)
+
     def host_backend(self) -> Backend:
         """Where the init program runs: the CPU, so the weights are eager's bit for bit."""
         from sbpc.runtime.backend import LocalCommunicator

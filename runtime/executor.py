@@ -16,6 +16,7 @@ import torch
 
 from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend
+from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.plan import DTypeArg, FloatArg, Instruction, RefArg, SymArg
 
 _FIRST_LINE = 3  # generated source: "def ...", unpacking of inputs, then one line per instruction
@@ -30,6 +31,7 @@ class Program:
         self.slots: dict[str, int] = {}
         self.constants: list[Any] = []
         self.kernels: list[Callable] = []
+        self._device = backend.device  # of the instruction being generated
         ins_vars = ", ".join(self._var(n) for n in inputs)
         body = [self._line(ins) for ins in instructions]
         outs = ", ".join(self._use(n, "program output") for n in outputs)
@@ -53,6 +55,8 @@ class Program:
         kernel = self.backend.kernel(ins.op)
         # an OpOverload's __call__ is one Python frame around its C++ operator: call that directly
         self.kernels.append(getattr(kernel, "_op", kernel))
+        # `#device` is the device of the instruction's memory: the cpu for the offloaded optimizer's
+        self._device = self.backend.device if ins.memory == MemoryKind.DEVICE else torch.device("cpu")
         args = [self._arg(a) for a in ins.args]
         args += [f"{k}={self._arg(v)}" for k, v in ins.kwargs.items()]
         schema = getattr(kernel, "_schema", None)
@@ -86,7 +90,7 @@ class Program:
         if isinstance(a, DTypeArg):
             return self._const(getattr(torch, a.dtype))
         if isinstance(a, SymArg):
-            return self._const(self.backend.device if a.sym == "device" else getattr(torch, a.sym))
+            return self._const(self._device if a.sym == "device" else getattr(torch, a.sym))
         if isinstance(a, FloatArg) or (isinstance(a, float) and not math.isfinite(a)):
             return self._const(float(a.float if isinstance(a, FloatArg) else a))
         return repr(a)  # int, finite float, bool, None, str: repr round-trips exactly

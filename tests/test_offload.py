@@ -19,6 +19,7 @@ from sbpc.compiler.ir.parser import parse_graph
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Role
 from sbpc.compiler.memory_options import MemoryOptions
+from sbpc.compiler.passes import InPlace, default_pipeline
 from sbpc.compiler.tools.check import run_check
 from sbpc.compiler.tools.comm_report import collectives
 from sbpc.compiler.tools.memory_report import memory_json
@@ -116,21 +117,35 @@ def test_estimate_counts_offloaded_state_on_the_host(gpt):
 
 
 # ----- a broken offload must fail the check
-def test_a_stale_master_copy_fails_the_check():
-    """The host's master copy never written back: the second update starts from the first
-    step's parameters (the stale copy), so the check must fail on the update."""
+def _stale(plan, what: str):
+    """The plan with one side of the offload never refreshed: ``master``, the host's copy keeps
+    its old value (the next update reads the stale copy); ``device``, the device's parameter
+    keeps its old value (the update never moves back)."""
+    if what == "master":
+        return plan.model_copy(update={"states": [s.model_copy(update={"update": s.value}) if s.init == "param" else s
+                                                  for s in plan.states]})
+    return plan.model_copy(update={"params": [p.model_copy(update={"update": p.value}) for p in plan.params]})
+
+
+@pytest.mark.parametrize("what, step", [("master", "1"), ("device", "0")])
+def test_a_stale_copy_fails_the_check(what, step):
     source = load_model("examples/mlp.py")
     optimizer = OptimizerConfig()
-    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=optimizer, memory=OFFLOAD).plan
-    good = run_check(plan, source, Runner(plan, make_backend("cpu"), seed=0), optimizer, steps=2, seed=0, tolerance=1e-5)
-    assert good.passed, good.table()
-    stale = plan.model_copy(update={"states": [s.model_copy(update={"update": s.value}) if s.init == "param" else s
-                                               for s in plan.states]})
-    report = run_check(stale, source, Runner(stale, make_backend("cpu"), seed=0), optimizer, steps=2, seed=0,
+    # functional updates (no inplace pass), so the master's old and new values are two tensors
+    passes = [p for p in default_pipeline(offload="optimizer") if not isinstance(p, InPlace)]
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=optimizer, memory=OFFLOAD, passes=passes).plan
+    if what == "master":
+        good = run_check(plan, source, Runner(plan, make_backend("cpu"), seed=0), optimizer, steps=2, seed=0,
+                         tolerance=1e-5)
+        assert good.passed, good.table()
+    broken = _stale(plan, what)
+    report = run_check(broken, source, Runner(broken, make_backend("cpu"), seed=0), optimizer, steps=2, seed=0,
                        tolerance=1e-5)
     assert not report.passed
-    assert report.worst[1].startswith("step 1, update "), report.table()
-    assert report.rows[2].grads.value <= 1e-5  # the gradients were right: only the update is wrong
+    row = report.rows[1 + int(step)]
+    assert row.update.value > 1e-5 and row.grads.value <= 1e-5, report.table()  # only the update is wrong
+    if what == "master":  # the first update is right; the second starts from the stale copy
+        assert report.rows[1].update.value <= 1e-5, report.table()
 
 
 def test_advice_proposes_offload_when_it_is_the_cheapest_change_that_fits(tmp_path):

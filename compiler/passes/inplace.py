@@ -255,7 +255,7 @@ def _foreach_node(plan: _Plan, members: list[Node]) -> Node:
     sbp_of = lambda m: dict(zip(m.uses(), m.sbp_in)) if m.sbp_in is not None else None
     node = Node(outputs=[m.outputs[0] for m in members], op=plan.op, args=(*lists, *plan.shared),
                 kwargs=dict(plan.kwargs), types=[m.types[0] for m in members], role=Role.OPTIMIZER,
-                loc=members[0].loc, stage=members[0].stage,
+                loc=members[0].loc, stage=members[0].stage, memory=members[0].memory,  # all optimizer ops: one memory
                 sbp=[m.sbp[0] for m in members] if all(m.sbp for m in members) else None)
     if all(m.sbp_in is not None for m in members):
         known = {}
