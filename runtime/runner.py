@@ -213,6 +213,8 @@ class Runner:
         if nd and isinstance(nd[0], str):
             nd = parse_nd_sbp(nd)
         comm = self.backend.communicator
+        if t.device != self.backend.device:  # offloaded state: collectives run on the device (NCCL)
+            t = self.backend.to_device(t)
         for axis, s in reversed(list(zip(self.topology.sbp_axes, nd))):
             group = self.topology.group(axis)
             if len(group) == 1 or isinstance(s, Broadcast):
