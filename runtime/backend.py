@@ -206,7 +206,7 @@ class Backend(ABC):
                             hint="the plan was compiled by a newer torch or sbpc; recompile it here")
         schema = kernel._schema
         if schema.is_mutable and not schema.returns:  # _foreach_*_: the overwritten list is the result
-            return partial(_first_argument, kernel)
+            return partial(_first_argument, kernel._op)  # the C++ op: no OpOverload frame
         return kernel
 
     @abstractmethod
