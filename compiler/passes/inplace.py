@@ -241,7 +241,7 @@ def _group_run(run: list[Node], types: dict[str, TensorType], store: _Storages) 
     groups: dict[tuple, list[int]] = {}
     for k in sorted(range(len(run)), key=lambda k: (depth[k], k)):
         plan = _foreach_plan(run[k], types)
-        key = (depth[k], plan, run[k].types[0].dtype) if plan is not None else ("single", k)
+        key = (depth[k], plan, run[k].types[0].dtype, run[k].memory) if plan is not None else ("single", k)
         groups.setdefault(key, []).append(k)
     out = []
     for key, ks in groups.items():
