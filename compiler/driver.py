@@ -16,6 +16,7 @@ from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
 from sbpc.compiler.memory.estimate import fits
+from sbpc.compiler.sbp.cost_model import MEMORY_PRICES
 from sbpc.errors import CompileError
 from sbpc.runtime.kinds import Precision, Recompute
 from sbpc.runtime.plan import LossScaling, ModelRef, Plan, PrecisionSpec
@@ -66,7 +67,10 @@ def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: Memor
     def estimate(change: advice.Change):
         try:
             quiet = CompileContext(verify=False, log=io.StringIO())  # a probe: its warnings are not the user's
-            return compile_model(source, change.mesh, memory=change.memory, enforce_budget=False, ctx=quiet,
+            # its time-optimal plan, memory unpriced (one compile, not the price ladder): a change
+            # named fits without the propagation's help (auto still needs the budget to choose)
+            probe = change.memory if change.memory.recompute == Recompute.AUTO else replace(change.memory, device_memory=None)
+            return compile_model(source, change.mesh, memory=probe, enforce_budget=False, ctx=quiet,
                                  **compile_kw).plan.estimates.roles
         except SbpcError:  # the model or batch cannot take this change (heads over tp, batch over dp)
             return None
@@ -96,7 +100,7 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     t0 = time.perf_counter()
     if memory.recompute == Recompute.AUTO:
         memory = _least_recompute(graph, passes, ctx, pipeline, memory)
-    graph = _manager(passes, ctx, pipeline, memory).run(graph)
+    graph = _priced_run(graph, passes, ctx, pipeline, memory)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
     plan = lower(graph, model, optimizer, ctx.estimates, precision_spec(memory.precision))
@@ -104,10 +108,36 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     return CompileResult(plan=plan, graph=graph, timings=timings)
 
 
-def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> PassManager:
-    """The pass manager of ``passes`` (default: the whole pipeline), its contracts checked,
-    lowering's included."""
-    passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero, memory.offload)
+def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> Graph:
+    """The passes, with memory priced as the budget needs: the time-optimal plan (price 0) when
+    it fits ``--device-memory`` or there is none; else the first of the dearer prices
+    (``MEMORY_PRICES``) whose plan fits, tried without printing, then compiled as usual. When
+    none fits, the time-optimal plan, which the budget check then refuses with its advice.
+    Given passes are run as they are (their cost model is the caller's)."""
+    out = _manager(passes, ctx, pipeline, memory).run(graph)
+    if passes is not None or fits(ctx.estimates.get("roles", []), memory.device_memory):
+        return out
+    quiet = replace(ctx, print_after=set(), print_after_all=False, dump_dir=None, estimates={})
+    for price in MEMORY_PRICES[1:]:
+        trial = replace(quiet, estimates={})
+        priced = _manager(passes, trial, pipeline, memory, price).run(graph)
+        if fits(trial.estimates["roles"], memory.device_memory):
+            print(f"sbpc: --device-memory: the time-optimal plan does not fit; memory priced at {price:g} link-moves "
+                  "per byte kept for the backward, it does", file=ctx.log)
+            ctx.estimates.clear()
+            if ctx.print_after or ctx.print_after_all or ctx.dump_dir:  # what the user asked to see, of this plan
+                return _manager(passes, ctx, pipeline, memory, price).run(graph)
+            ctx.estimates.update(trial.estimates)
+            return priced
+    return out
+
+
+def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions,
+             memory_price: float = 0.0) -> PassManager:
+    """The pass manager of ``passes`` (default: the whole pipeline, the propagation pricing
+    memory at ``memory_price``), its contracts checked, lowering's included."""
+    passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero, memory.offload,
+                                                                memory_price)
     manager = PassManager(passes, ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager
@@ -126,7 +156,7 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
     for mode in _RECOMPUTE_ORDER:
         chosen = replace(memory, recompute=mode)
         trial = replace(quiet, estimates={})
-        _manager(passes, trial, pipeline, chosen).run(graph)
+        _priced_run(graph, passes, trial, pipeline, chosen)
         roles = trial.estimates["roles"]  # memory-plan's estimate_memory
         if fits(roles, memory.device_memory):
             print(f"sbpc: --recompute auto chose {mode.value}: the largest rank role needs "

@@ -37,6 +37,15 @@ def returns_alias(op: str) -> bool:
     return any(r.alias_info is not None for r in overload._schema.returns)
 
 
+# ops whose result shares its first input's storage although their schema says nothing (aot emits them)
+_VIEWS_TOO = frozenset({"aten._unsafe_view.default"})
+
+
+def shares_storage(op: str) -> bool:
+    """The result lives in its first input's storage: a schema view, or one aot emits without the annotation."""
+    return op in _VIEWS_TOO or returns_alias(op)
+
+
 @lru_cache(maxsize=None)
 def functional_variant(op: str) -> str | None:
     """``aten.bernoulli_.float`` -> ``aten.bernoulli.p``: the out-of-place overload taking the same arguments."""

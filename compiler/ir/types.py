@@ -239,6 +239,9 @@ class Graph:
     init: list[Node] = field(default_factory=list)
     init_outputs: list[GraphOutput] = field(default_factory=list)
     schedule: PipelineSpec | None = None  # set by the schedule pass on pipelined meshes
+    # forward values whose conversions the backward makes again instead of keeping the forward's
+    # (sbp-propagate's memory term decides, boxing does it); not in the text IR, used up by boxing
+    regather: frozenset[str] = frozenset()
 
     def value_types(self) -> dict[str, TensorType]:
         types = {i.value: i.type for i in self.inputs}

@@ -31,15 +31,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sbpc.compiler.ir.aten import overwritten, returns_alias
+from sbpc.compiler.ir.aten import overwritten, returns_alias, shares_storage
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
 from sbpc.runtime.plan import RoleMemory
 
-# ops whose result shares its first input's storage: schema views plus the ones aot emits
-# without an alias annotation
-_VIEWS_TOO = frozenset({"aten._unsafe_view.default"})
 _PLUMBING = frozenset({ACCUMULATE, TRANSFER, "aten.cat.default", "aten.view.default", "aten._unsafe_view.default"})
 
 
@@ -89,7 +86,7 @@ class Storages:
                 for o, v in zip(n.outputs, over):
                     self.root[o] = self.root[v]
                 continue
-            if (returns_alias(n.op) or n.op in _VIEWS_TOO) and firsts and firsts[0] in self.root:
+            if shares_storage(n.op) and firsts and firsts[0] in self.root:
                 for o in n.outputs:
                     self.root[o] = self.root[firsts[0]]
                 continue
@@ -380,13 +377,24 @@ def _by_term(store: Storages, keys: set[tuple]) -> dict[Term, int]:
 
 def saved_for_backward(graph: Graph, depth: int = 2) -> dict[str, int]:
     """Bytes per device of the forward values each module's backward reads, by the module path's
-    first ``depth`` components (``h.3``): the activations a layer keeps for its backward."""
+    first ``depth`` components (``h.3``): the activations a layer keeps for its backward. A
+    conversion in the backward (a kept value gathered again) counts for the op it converts for,
+    not for the module that made the value (whose location it carries)."""
     store = Storages(graph)
+    users = graph.users()
+    nodes = graph.nodes
+
+    def module(i: int) -> str | None:
+        n = nodes[i]
+        while Collective.of(n.op) is not None and users.get(n.outputs[0]):
+            n = nodes[users[n.outputs[0]][0]]
+        return n.loc.module if n.loc else None
+
     out: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        if n.role != Role.BACKWARD or n.loc is None or not n.loc.module:
+    for i, n in enumerate(nodes):
+        if n.role != Role.BACKWARD or not module(i):
             continue
-        key = ".".join(n.loc.module.split(".")[:depth])
+        key = ".".join(module(i).split(".")[:depth])
         for u in n.uses():
             r = store.root.get(u)
             if r is not None and store.store[r].held_term == Term.ACTIVATIONS:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from sbpc.runtime.kinds import Recompute as RecomputeMode, ScheduleName
 
 from sbpc.compiler.passes.boxing import Boxing
+from sbpc.compiler.sbp.cost_model import AlphaBeta
 from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
@@ -36,13 +37,17 @@ class PipelineOptions:
 
 
 def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,
-                     zero: int = 0, offload: str = "none"):
+                     zero: int = 0, offload: str = "none", memory_price: float = 0.0):
     """The passes `sbpc compile` runs, in order. ZeRO (hints on the dp axis) runs before the
     stage partition places its hints, and after offload, so the master copies it adds are split
-    like the rest of the optimizer state. Recompute runs on the boxed graph (its clones
+    like the rest of the optimizer state. ``memory_price``: the propagation's price of a byte kept
+    for the backward, in link-moves of it (``AlphaBeta.priced``; the driver raises it under a
+    budget). Recompute runs on the boxed graph (its clones
     copy SBPs and collectives) before localize and schedule (which treat clones as any op)."""
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
-            StagePartition(virtual_stages=v, microbatches=pipeline.microbatches), SbpPropagate(), Boxing(), Coalesce(),
+            StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
+            SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
+            Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
             InPlace(), MemoryPlan(), Overlap()]

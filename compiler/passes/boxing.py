@@ -5,8 +5,9 @@ producer made something else, the steps of ``boxing_plan`` (one collective, slic
 per mesh axis) are inserted right before the first op that needs it; later ops needing the
 same conversion reuse the result. A collective carries the source location of the op whose
 result it converts (the row-parallel matmul, not the layer norm after it), and its ``why``
-names the op that needed it (a parameter split over dp, ZeRO-3, is converted again in each
-phase rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
+names the op that needed it (a parameter split over dp, ZeRO-3, and an activation the
+propagation's memory term says so of, ``Graph.regather``, are converted again in each phase
+rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
 
 Memory is part of the placement (``--offload optimizer`` puts the optimizer on the host): where
@@ -60,6 +61,9 @@ class _Inserter:
         dp = self.axes.index("dp") if "dp" in self.axes else None
         self.regather = {i.value for i in graph.inputs if i.kind == InputKind.PARAM and dp is not None
                          and i.sbp is not None and isinstance(i.sbp[dp], Split) and self.sizes[dp] > 1}
+        # and the activations whose kept conversion sbp-propagate's memory term found dearer
+        # than converting them again in the backward (a sequence-parallel input gathered twice)
+        self.regather |= graph.regather
 
     def run(self) -> Graph:
         for n in self.g.nodes:
@@ -69,6 +73,8 @@ class _Inserter:
                 need = n.sbp_in[0] if n.sbp_in else self.sbp.get(src)
                 self.rename[n.outputs[0]] = self.convert(src, need, n, self.mem.get(src, DEVICE)) \
                     if need is not None else src
+                if n.outputs[0] in self.regather:  # what the hinted value is regathered as
+                    self.regather.add(self.rename[n.outputs[0]])
                 continue
             if n.sbp_in is not None:
                 n = _rename_positions(n, [self.convert(u, need, n) for u, need in zip(n.uses(), n.sbp_in)])
@@ -81,7 +87,7 @@ class _Inserter:
                 self.sbp[o] = nd
         outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
         outputs = self._restore_layouts(outputs)
-        graph = replace(self.g, nodes=self.out, outputs=outputs)
+        graph = replace(self.g, nodes=self.out, outputs=outputs, regather=frozenset())
         if all(n.sbp is not None for n in graph.nodes) and all(i.sbp is not None for i in graph.inputs):
             verify_boxed(graph)
         return graph
@@ -128,7 +134,7 @@ class _Inserter:
         return name, after
 
     def _phase(self, value: str, consumer: Node) -> Role | None:
-        """Conversions are shared by all consumers, except a regathered parameter's: per phase."""
+        """Conversions are shared by all consumers, except a regathered value's: per phase."""
         if value not in self.regather:
             return None
         return Role.FORWARD if consumer.role == Role.PRE else consumer.role

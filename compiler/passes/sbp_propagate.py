@@ -31,6 +31,8 @@ from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.compiler.sbp.rules.random_ops import reads_values
 from sbpc.compiler.sbp.solver import Solver
 from sbpc.compiler.sbp.state import GraphIndex
+from sbpc.compiler.pipelining.schedule_sim import regsts
+from sbpc.runtime.kinds import ScheduleName
 from sbpc.runtime.sbp import Broadcast, Split
 
 
@@ -47,6 +49,10 @@ class SbpPropagate:
     # layer, and every layer follows. None: never.
     tie_layers: int | None = 4
     tie_min_nodes: int = 1000
+    # how the pipeline runs, for the memory term: a chunk holds the activations of the
+    # micro-batches its schedule keeps in flight (schedule_sim.regsts)
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    virtual_stages: int = 1
 
     def apply(self, graph: Graph, ctx) -> Graph:
         axes = graph.mesh.sbp_axes
@@ -92,7 +98,15 @@ class SbpPropagate:
     def _solver(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...], shared: _Shared, fixed=None) -> Solver:
         classes = shared.classes
         lay = Layouts(graph, rules, sizes, fixed, classes.rep if classes else None, shared.memo)
-        return Solver(graph, lay, sizes, self.cost_model, classes, shared.index)
+        return Solver(graph, lay, sizes, self.cost_model, classes, shared.index, self.in_flight(graph))
+
+    def in_flight(self, graph: Graph) -> dict[int, int]:
+        """Pipeline chunk -> the micro-batches whose activations it holds at once (interleaved:
+        its device's count shared by its chunks)."""
+        p, m, v = graph.mesh.size("pp"), graph.mesh.size(MICROBATCH), self.virtual_stages
+        if p * v == 1:
+            return {}
+        return {c: max(1, regsts(self.schedule, c % p, p, m, v) // v) for c in range(p * v)}
 
     def _solve(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...], shared: _Shared) -> Solver:
         solver = self._solver(graph, rules, sizes, shared)

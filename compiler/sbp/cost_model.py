@@ -5,10 +5,16 @@ classic latency-bandwidth model of ring collectives over k devices (alpha per st
 byte) plus a fixed cost per collective call, and a memory-bound compute term (gamma per byte
 an op touches). The per-call cost is why one all-reduce beats the reduce-scatter +
 all-gather pair that moves the same bytes, unless the pair saves real compute in between.
+
+Memory is priced too, as a Lagrangian weight: ``memory_price`` seconds per byte a device holds
+from the forward to the backward (activations saved for the backward, per in-flight
+micro-batch). At 0 (the default) the search minimises time alone. Under ``--device-memory`` the
+driver raises the price along ``MEMORY_PRICES`` until the plan fits (``compiler/driver.py``):
+the price is the policy, the solver only adds ``memory(bytes)`` to what it minimises.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from sbpc.runtime.kinds import Collective
@@ -28,6 +34,9 @@ class CostModel(Protocol):
         """``kind`` as a member of a gradient bucket: fused with the others into one call
         (``coalesce``) and issued while the backward continues (``overlap``)."""
 
+    def memory(self, nbytes: int) -> float:
+        """Holding ``nbytes`` on each device from the forward to the backward (0: memory is free)."""
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -38,6 +47,7 @@ class AlphaBeta:
     # s per byte between pipeline stages: stages sit on different nodes, whose link is slower
     # than the one inside a tensor-parallel group
     stage_beta: float = 4 / 10e9
+    memory_price: float = 0.0  # s per byte held for the backward (the Lagrangian weight of memory)
 
     def collective(self, kind: Collective, nbytes: int, k: int) -> float:
         a, b, c = self.alpha, self.beta, self.launch
@@ -62,3 +72,17 @@ class AlphaBeta:
 
     def transfer(self, nbytes: int) -> float:
         return self.launch + self.alpha + nbytes * self.stage_beta
+
+    def memory(self, nbytes: int) -> float:
+        return self.memory_price * nbytes
+
+    def priced(self, links: float) -> AlphaBeta:
+        """This model with a byte held priced as ``links`` moves of it over a link (``links * beta``)."""
+        return replace(self, memory_price=links * self.beta)
+
+
+# The prices the driver tries under --device-memory, in link-moves per byte held (see AlphaBeta.priced),
+# cheapest first: 0 is the time-optimal plan; 1 trades a collective for memory where they move
+# the same bytes (at scale, Megatron's choice: keep the sequence-parallel input, gather it again
+# in the backward); the steeper ones also outweigh the per-call costs of small tensors.
+MEMORY_PRICES = (0.0, 1.0, 16.0, 256.0)

@@ -21,10 +21,11 @@ from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_n
 
 class Solver:
     def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel,
-                 classes: LayerClasses | None = None, index: GraphIndex | None = None):
+                 classes: LayerClasses | None = None, index: GraphIndex | None = None,
+                 in_flight: dict[int, int] | None = None):
         cls, cands = _tie(graph, layouts, classes)
         self.state = SolverState(graph, layouts, sizes, model, index or GraphIndex.of(graph), cls, cands,
-                                 active=cls.active(), tied=dict(cls.members))
+                                 active=cls.active(), tied=dict(cls.members), in_flight=in_flight or {})
         self._hint_filters()
 
     # ----- inputs and hints
@@ -245,7 +246,7 @@ class Solver:
                 if c.ins[pos] != st.sbp[v] and c.ins[pos] not in have:
                     cost += self.greedy_box(st.sbp[v], c.ins[pos], st.types[v])
             for j, o in enumerate(st.graph.nodes[idx].outputs):
-                cost += st.value_cost(o, c.outs[j], st.needs(o))
+                cost += st.value_cost(o, c.outs[j], st.needs(o), st.back_needs(o))
             key = (round(cost, 12), partials(c), ci)
             if best_key is None or key < best_key:
                 best, best_key = ci, key
@@ -294,7 +295,7 @@ class Solver:
                                    f"{list(c.ins)} -> {list(c.outs)}")
             nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[st.cls.rep[idx]]))
         inputs = [replace(i, sbp=st.sbp[i.value], why=st.why[i.value]) for i in st.graph.inputs]
-        return replace(st.graph, inputs=inputs, nodes=nodes)
+        return replace(st.graph, inputs=inputs, nodes=nodes, regather=st.regathered())
 
 
 def _tie(graph: Graph, layouts: Layouts, classes: LayerClasses | None) -> tuple[LayerClasses, list[list[NdSignature]]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sbpc.compiler.ir.aten import shares_storage
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, Role, TensorType
 from sbpc.compiler.sbp.boxing_plan import boxing_cost
@@ -19,6 +20,16 @@ from sbpc.runtime.sbp import NdSbp
 Use = tuple[str, tuple[int, ...]]  # a value an op uses, with the positions it takes it at
 
 
+def _count(counts: dict[NdSbp, int], old: NdSbp | None, new: NdSbp) -> None:
+    """One position moves from needing ``old`` (None: it needed nothing) to needing ``new``."""
+    if old is not None:
+        if counts[old] == 1:
+            del counts[old]
+        else:
+            counts[old] -= 1
+    counts[new] = counts.get(new, 0) + 1
+
+
 @dataclass(frozen=True)
 class GraphIndex:
     """The graph's structure, shared by every solver of one graph (one per mesh axis, and the
@@ -27,12 +38,24 @@ class GraphIndex:
     producer: dict[str, int]  # value -> the op that makes it
     consumers: dict[str, list[int]]  # value -> the ops that read it, each once
     at: list[list[Use]]  # per op: each value it uses once, with its positions
+    backward: frozenset[int]  # the backward's ops
+    # forward values a backward op reads (kept from the forward to the backward), each with
+    # whether its bytes are its own (False: a view of a saved value, whose storage is counted there)
+    saved: dict[str, bool]
 
     @classmethod
     def of(cls, graph: Graph) -> GraphIndex:
         uses = [list(n.uses()) for n in graph.nodes]
         at = [[(v, tuple(p for p, u in enumerate(us) if u == v)) for v in dict.fromkeys(us)] for us in uses]
-        return cls(uses, graph.producers(), graph.users(), at)
+        backward = frozenset(i for i, n in enumerate(graph.nodes) if n.role == Role.BACKWARD)
+        read_back = {u for i in backward for u in uses[i]}
+        root: dict[str, str] = {}
+        for i, n in enumerate(graph.nodes):
+            for o in n.outputs:
+                root[o] = root.get(uses[i][0], uses[i][0]) if shares_storage(n.op) and uses[i] else o
+        saved = {o: root[o] == o or root[o] not in read_back for n in graph.nodes if n.role == Role.FORWARD
+                 for o in n.outputs if o in read_back}
+        return cls(uses, graph.producers(), graph.users(), at, backward, saved)
 
 
 @dataclass
@@ -60,6 +83,8 @@ class SolverState:
     reqc: dict[str, dict[NdSbp, int]] = field(default_factory=dict)  # value -> needed nd-SBP -> positions needing it
     choice: list[int] = field(default_factory=list)  # per op: the index of its candidate
     focus: int | None = None  # the mesh axis refinement works on (None: all)
+    in_flight: dict[int, int] = field(default_factory=dict)  # pipeline chunk -> micro-batches it holds at once (default 1)
+    reqb: dict[str, dict[NdSbp, int]] = field(default_factory=dict)  # the part of reqc that backward ops need
     # derived from the above (__post_init__); the index's maps are at hand for the hot loops
     axes: tuple[str, ...] = field(init=False)
     sequential: frozenset[int] = field(init=False)  # axes whose steps run one after another (micro-batches)
@@ -68,6 +93,7 @@ class SolverState:
     producer: dict[str, int] = field(init=False)
     consumers: dict[str, list[int]] = field(init=False)
     at: list[list[Use]] = field(init=False)
+    held: dict[str, bool] = field(init=False)  # the saved values whose memory is priced (index.saved, or none)
     _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
     bucketed: frozenset[str] = field(init=False)  # weight gradients on their way to the optimizer
 
@@ -77,6 +103,8 @@ class SolverState:
         self.types = self.layouts.types
         self.uses, self.producer, self.consumers, self.at = (self.index.uses, self.index.producer,
                                                              self.index.consumers, self.index.at)
+        # memory is priced only when it has a price: at 0 the search is the time-only one, op for op
+        self.held = self.index.saved if self.model.memory(1 << 30) > 0 else {}
         if not self.choice:
             self.choice = [0] * len(self.graph.nodes)
         self.bucketed = gradient_tail(self.graph, self.consumers)
@@ -88,21 +116,21 @@ class SolverState:
     def require(self, v: str, key: tuple, t: NdSbp) -> None:
         """Consumer position ``key`` needs ``v`` as ``t``."""
         reqs = self.req.setdefault(v, {})
-        counts = self.reqc.setdefault(v, {})
         old = reqs.get(key)
         if old == t:
             return
-        if old is not None:
-            if counts[old] == 1:
-                del counts[old]
-            else:
-                counts[old] -= 1
         reqs[key] = t
-        counts[t] = counts.get(t, 0) + 1
+        _count(self.reqc.setdefault(v, {}), old, t)
+        if v in self.held and key[0] in self.index.backward:
+            _count(self.reqb.setdefault(v, {}), old, t)
 
     def needs(self, v: str):
         """The layouts ``v`` is needed in."""
         return self.reqc.get(v, {}).keys()
+
+    def back_needs(self, v: str):
+        """The layouts backward ops need ``v`` in (only for values whose memory is priced)."""
+        return self.reqb.get(v, {}).keys()
 
     # ----- costs
     def box(self, src: NdSbp, dst: NdSbp, t: TensorType, bucketed: bool = False) -> float:
@@ -116,10 +144,46 @@ class SolverState:
         ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
         return self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
 
-    def value_cost(self, v: str, src: NdSbp, reqs) -> float:
-        """Converting ``v`` from ``src`` into each distinct layout of ``reqs``."""
+    def value_cost(self, v: str, src: NdSbp, reqs, back=(), forward=None) -> float:
+        """Converting ``v`` from ``src`` into each distinct layout of ``reqs``, and holding what
+        the backward reads of it (``back``: the layouts backward ops need; ``forward``: those the
+        other ops need, by default as the counts stand)."""
         bucketed = v in self.bucketed
-        return sum(self.box(src, t, self.types[v], bucketed) for t in set(reqs) if t != src)
+        cost = sum(self.box(src, t, self.types[v], bucketed) for t in set(reqs) if t != src)
+        if back and v in self.held:
+            cost += min(self.holding(v, src, set(back), self._forward(v) if forward is None else forward))
+        return cost
+
+    def _forward(self, v: str) -> set:
+        counts, back = self.reqc.get(v, {}), self.reqb.get(v, {})
+        return {x for x, k in counts.items() if k > back.get(x, 0)}
+
+    def holding(self, v: str, src: NdSbp, back: set, forward: set) -> tuple[float, float]:
+        """What keeping ``v`` for the backward costs: (the forward's conversions kept, each made
+        again in the backward). Boxing converts right before the first op that needs a layout and
+        shares the result, so a layout both phases need is kept from the forward (its bytes held);
+        made again in the backward instead, it costs its conversion once more and holds ``src``.
+        A layout only the backward needs is made there, from ``src``, which is then held."""
+        t, sizes = self.types[v], self.sizes
+        weight = self.in_flight.get(self.graph.nodes[self.producer[v]].stage, 1)
+        own = t.local_nbytes(src, sizes) if self.held[v] else 0  # a view: counted at its saved root
+        shared = [x for x in back if x != src and x in forward]
+        src_held = src in back or any(x != src and x not in forward for x in back)
+        keep = self.model.memory(weight * (own * src_held + sum(t.local_nbytes(x, sizes) for x in shared)))
+        if not shared:
+            return keep, keep
+        return keep, sum(self.box(src, x, t) for x in shared) + self.model.memory(weight * own)
+
+    def regathered(self) -> frozenset[str]:
+        """The saved values whose conversions are cheaper made again in the backward (boxing's cue)."""
+        again = {}
+        for v in self.held:
+            back = self.back_needs(v)
+            if back and v not in self.copies:
+                keep, other = self.holding(v, self.sbp[v], set(back), self._forward(v))
+                again[v] = other < keep
+        # a layer's copy does what the value it stands for does
+        return frozenset(v for v in self.held if again.get(self.vrep.get(v, v) if v in self.copies else v, False))
 
     def local_cost(self, idx: int, c: NdSignature) -> float:
         """What op ``idx`` costs in candidate ``c`` (its compute and the conversions of its
@@ -138,23 +202,38 @@ class SolverState:
             mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
             need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
             need.update(c.ins[p] for p in pos)
-            cost += self.value_cost(v, self.sbp[v], need)
+            if v in self.held:  # the same split by phase: which layouts the backward needs
+                back, forward = self._phases(v, idx, mine, [c.ins[p] for p in pos])
+                cost += self.value_cost(v, self.sbp[v], need, back, forward)
+            else:
+                cost += self.value_cost(v, self.sbp[v], need)
         for j, o in enumerate(n.outputs):
-            cost += self.value_cost(o, c.outs[j], self.needs(o))
+            cost += self.value_cost(o, c.outs[j], self.needs(o), self.back_needs(o))
         return cost
+
+    def _phases(self, v: str, idx: int, mine: list[NdSbp], wanted: list[NdSbp]) -> tuple[set, set]:
+        """The layouts the backward and the other ops need of ``v`` when op ``idx`` takes it as
+        ``wanted`` instead of ``mine``."""
+        counts, bcounts = self.reqc.get(v, {}), self.reqb.get(v, {})
+        fcounts = {x: k - bcounts.get(x, 0) for x, k in counts.items() if k > bcounts.get(x, 0)}
+        own = bcounts if idx in self.index.backward else fcounts
+        need = {x for x, k in own.items() if k > mine.count(x)} | set(wanted)
+        if idx in self.index.backward:
+            return need, set(fcounts)
+        return set(bcounts), need
 
     def cost_of(self, idxs: list[int], values: set[str]) -> float:
         """The ops ``idxs`` and the conversions of ``values``, as chosen now."""
         if not self.tied:
             cost = sum(self.compute(i, self.cands[i][self.choice[i]]) for i in idxs)
-            return cost + sum(self.value_cost(v, self.sbp[v], self.needs(v)) for v in values)
+            return cost + sum(self.value_cost(v, self.sbp[v], self.needs(v), self.back_needs(v)) for v in values)
         # a class's ops and values in every layer: the value between two layers once, not as
         # one layer's input and another's output
         cost = sum(self.compute(i, self.cands[i][self.choice[i]]) * len(self.tied.get(i, (i,))) for i in idxs)
         for v in {self.vrep.get(v, v) for v in values}:
             w, odd = self.vweight.get(v, (1, ()))
-            cost += w * self.value_cost(v, self.sbp[v], self.needs(v))
-            cost += sum(self.value_cost(u, self.sbp[u], self.needs(u)) for u in odd)
+            cost += w * self.value_cost(v, self.sbp[v], self.needs(v), self.back_needs(v))
+            cost += sum(self.value_cost(u, self.sbp[u], self.needs(u), self.back_needs(u)) for u in odd)
         return cost
 
     # ----- choices
