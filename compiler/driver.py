@@ -117,6 +117,8 @@ def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOpt
     out = _manager(passes, ctx, pipeline, memory).run(graph)
     if passes is not None or fits(ctx.estimates.get("roles", []), memory.device_memory):
         return out
+    if all(k == 1 for axis, k in graph.mesh.device_axes if axis != "pp"):
+        return out  # one device per stage: no layout to choose, nothing to price
     quiet = replace(ctx, print_after=set(), print_after_all=False, dump_dir=None, estimates={})
     for price in MEMORY_PRICES[1:]:
         trial = replace(quiet, estimates={})
@@ -156,7 +158,7 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
     for mode in _RECOMPUTE_ORDER:
         chosen = replace(memory, recompute=mode)
         trial = replace(quiet, estimates={})
-        _priced_run(graph, passes, trial, pipeline, chosen)
+        _manager(passes, trial, pipeline, chosen).run(graph)  # time-optimal layouts (memory unpriced)
         roles = trial.estimates["roles"]  # memory-plan's estimate_memory
         if fits(roles, memory.device_memory):
             print(f"sbpc: --recompute auto chose {mode.value}: the largest rank role needs "

@@ -61,10 +61,10 @@ def test_hf_gpt2_sequence_parallel_parity():
 
 # ----- collective counts (compile only)
 
-def _plan(model: str, mesh: str, config: str | None = None, batch: int = BATCH, **sets):
+def _plan(model: str, mesh: str, config: str | None = None, batch: int = BATCH, passes=None, **sets):
     cfg = load_config(config) if config else None
     return compile_model(load_model(model, {**MID, **sets}), parse_mesh(mesh), batch_size=batch, optimizer=OptimizerConfig(),
-                         config=cfg).plan
+                         config=cfg, passes=passes).plan
 
 
 def _layer(module: str) -> str | None:
@@ -121,8 +121,14 @@ def test_megatron_tensor_parallel_counts():
     assert spec["h.0.attn.c_attn.weight"] == ["B", "S(0:3)"]
 
 
-def test_sequence_parallel_counts():
-    plan = _plan("examples/gpt.py", "1x2", "examples/gpt.megatron.toml", sp=True)
+@pytest.mark.parametrize("priced", [False, True])
+def test_sequence_parallel_counts(priced):
+    from sbpc.compiler.passes import default_pipeline
+    from sbpc.compiler.sbp.cost_model import MEMORY_PRICES
+
+    # priced: memory at the top of the ladder --device-memory climbs (docs/memory.md)
+    passes = default_pipeline(memory_price=MEMORY_PRICES[-1]) if priced else None
+    plan = _plan("examples/gpt.py", "1x2", "examples/gpt.megatron.toml", sp=True, passes=passes)
     cs = _moving(plan)
     shard = BATCH * 128 * 1024 * 4 // 2  # a tp shard of the residual stream
     for layer in ("0", "1"):
@@ -134,6 +140,9 @@ def test_sequence_parallel_counts():
         # partial and gathered where the pinned residual gradient meets the tensor-parallel matmul
         # (one all-gather more than Megatron's reduce-scatter + all-gather; see docs/parallel.md)
         assert big[("all_reduce", "bwd")] + big[("reduce_scatter", "bwd")] == 2, big
+        if priced:  # Megatron's implementation: the layer norms' outputs kept S(seq), gathered again
+            # for the weight gradients (2 all-gathers more), the gradients reduce-scattered
+            assert big[("all_gather", "bwd")] == 4 and big[("reduce_scatter", "bwd")] == 2, big
 
 
 def test_propagation_is_deterministic():
