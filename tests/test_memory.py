@@ -98,9 +98,9 @@ def test_activations_per_layer_match_korthikanti(mesh, sp, recompute):
     source = load_model("tests/models/megatron_layer.py", {"hidden": H, "heads": HEADS, "seq": S, **({"sp": sp} if sp else {})})
     config = load_config("tests/models/megatron_layer.toml") if m.size("tp") > 1 else None
     memory = MemoryOptions(recompute=Recompute(recompute))
-    # sequence parallelism saves memory, not time: at these sizes the time-only search gathers the
-    # residual stream before the layer norms (50 sbh, not 42); with memory priced (the top of the
-    # ladder --device-memory climbs) it keeps it split and gathers the matmul inputs again in the backward
+    # sequence parallelism's last saving is memory, not time: the time-only search keeps the
+    # gathered layer-norm outputs for the weight gradients (46 sbh, not 42); with memory priced (the
+    # top of the ladder --device-memory climbs) it gathers them again in the backward, as Megatron does
     passes = default_pipeline(recompute=memory.recompute, memory_price=MEMORY_PRICES[-1]) if sp else None
     graph = compile_model(source, m, batch_size=B, optimizer=OptimizerConfig(), config=config, memory=memory,
                           passes=passes).graph
