@@ -136,11 +136,11 @@ def test_sequence_parallel_counts(priced):
         # forward: each of the two TP all-reduces is one reduce-scatter + one all-gather
         assert big[("reduce_scatter", "fwd")] == 2 and big[("all_gather", "fwd")] == 2, big
         assert big[("all_reduce", "fwd")] == 0, big
-        # backward: what the cost model picks today -- the gradient is all-reduced where it becomes
-        # partial and gathered where the pinned residual gradient meets the tensor-parallel matmul
-        # (one all-gather more than Megatron's reduce-scatter + all-gather; see docs/parallel.md)
-        assert big[("all_reduce", "bwd")] + big[("reduce_scatter", "bwd")] == 2, big
-        if priced:  # Megatron's implementation: the layer norms' outputs kept S(seq), gathered again
+        # backward: the gradient is reduce-scattered where it becomes partial, never all-reduced
+        assert big[("all_reduce", "bwd")] == 0 and big[("reduce_scatter", "bwd")] == 2, big
+        if not priced:  # Megatron's optimum: the mirror of the forward
+            assert big[("all_gather", "bwd")] == 2, big
+        else:  # Megatron's implementation: the layer norms' outputs kept S(seq), gathered again
             # for the weight gradients (2 all-gathers more), the gradients reduce-scattered
             assert big[("all_gather", "bwd")] == 4 and big[("reduce_scatter", "bwd")] == 2, big
 
