@@ -46,14 +46,17 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
     result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
     result.timings["total"] += result.timings["capture"]
     if enforce_budget and memory.device_memory is not None:
-        _refuse_over_budget(result.plan.estimates.roles, source, mesh, batch_size=batch_size, optimizer=optimizer,
-                            config=config, pipeline=pipeline, memory=memory)
+        _refuse_over_budget(result.plan.estimates.roles, graph, source, mesh, batch_size=batch_size,
+                            optimizer=optimizer, config=config, pipeline=pipeline, memory=memory)
     return result
 
 
-def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: MemoryOptions, **compile_kw) -> None:
+def _refuse_over_budget(roles, captured: Graph, source: ModelSource, mesh: Mesh, *, memory: MemoryOptions,
+                        batch_size: int, optimizer: OptimizerConfig, config: ParallelConfig | None,
+                        pipeline: PipelineOptions) -> None:
     """A plan that does not fit is refused, naming the role, its biggest term and the cheapest
-    change that fits (each change re-estimated by compiling under it; compiler/memory/advice.py)."""
+    change that fits (each change re-estimated by running the passes under it on the same
+    capture; compiler/memory/advice.py)."""
     from sbpc.compiler.memory import advice
     from sbpc.errors import SbpcError
 
@@ -64,14 +67,39 @@ def _refuse_over_budget(roles, source: ModelSource, mesh: Mesh, *, memory: Memor
     worst = max(over, key=lambda r: r.total)
     term, nbytes = advice.biggest_term(worst)
 
+    # Stage hints are chunk numbers of one mesh's pp: a hinted capture is redone for another mesh.
+    hinted = any(n.stage is not None for n in captured.nodes)
+    prefixes: dict = {}  # the passes before recompute, run once per (mesh, zero, offload): recompute candidates share them
+    base = (captured.mesh, memory.zero, memory.offload)
+
     def estimate(change: advice.Change):
+        quiet = CompileContext(verify=False, log=io.StringIO())  # a probe: its warnings are not the user's
         try:
-            quiet = CompileContext(verify=False, log=io.StringIO())  # a probe: its warnings are not the user's
-            # its time-optimal plan, memory unpriced (one compile, not the price ladder): a change
-            # named fits without the propagation's help (auto still needs the budget to choose)
-            probe = change.memory if change.memory.recompute == Recompute.AUTO else replace(change.memory, device_memory=None)
-            return compile_model(source, change.mesh, memory=probe, enforce_budget=False, ctx=quiet,
-                                 **compile_kw).plan.estimates.roles
+            option = change.memory
+            if option.recompute == Recompute.AUTO:  # auto needs the budget to choose: a whole compile
+                return compile_model(source, change.mesh, memory=option, enforce_budget=False, ctx=quiet,
+                                     batch_size=batch_size, optimizer=optimizer, config=config,
+                                     pipeline=pipeline).plan.estimates.roles
+            # its time-optimal plan, memory unpriced (not the price ladder): a change named fits
+            # without the propagation's help
+            target = change.mesh.with_microbatches(pipeline.microbatches)
+            if target == captured.mesh:
+                graph = captured
+            elif hinted:
+                graph = capture(source, target, batch_size, optimizer, config, precision_spec(change.memory.precision))
+            else:  # a capture without stage hints serves every mesh of its batch size
+                graph = replace(captured, mesh=target)
+            passes = default_pipeline(pipeline, option.recompute, option.zero, option.offload)
+            cut = next(i for i, p in enumerate(passes) if p.name == "recompute")
+            key = (target, option.zero, option.offload)
+            if key not in prefixes:
+                for k in [k for k in prefixes if k != base]:  # besides the user's, one boxed graph at a time
+                    del prefixes[k]
+                prefix = PassManager(passes[:cut], quiet)
+                prefixes[key] = (prefix.run(graph), prefix.facts)
+            boxed, facts = prefixes[key]
+            PassManager(passes[cut:], quiet, given=facts).run(boxed)
+            return quiet.estimates["roles"]  # memory-plan's estimate_memory, as the plan would carry it
         except SbpcError:  # the model or batch cannot take this change (heads over tp, batch over dp)
             return None
 

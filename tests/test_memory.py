@@ -179,6 +179,31 @@ def test_stage_holds_the_schedules_in_flight_micro_batches(schedule):
     assert all(r.total == sum((r.params, r.grads, r.optimizer, r.activations, r.buffers, r.temporaries)) for r in roles)
 
 
+def test_a_weights_bf16_cast_is_not_kept_per_micro_batch():
+    """Under autocast each micro-batch's forward casts the weights to bf16; were the backward to
+    read those casts, stage s would keep p - s copies of its weights in flight (at 1T, 62 x 2 GB
+    on stage 2). The backward casts its own: no forward value made from parameters alone with a
+    storage of its own (not a view of the fp32 weight) is read by the backward."""
+    from sbpc.compiler.ir.aten import returns_alias
+    from sbpc.compiler.ir.types import InputKind, Role
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.runtime.kinds import Precision
+
+    graph = _compile("gpt.py", "1x1x2", {"hidden": 256, "heads": 4, "seq": 8}, batch=8, microbatches=4,
+                     memory=MemoryOptions(precision=Precision.BF16)).graph
+    derived = {i.value for i in graph.inputs_of(InputKind.PARAM)}
+    own: set[str] = set()
+    for n in graph.nodes:
+        if n.role == Role.FORWARD and list(n.uses()) and all(u in derived for u in n.uses()):
+            derived.update(n.outputs)
+            if (not returns_alias(n.op) and n.op != "sbpc.hint") or any(u in own for u in n.uses()):
+                own.update(n.outputs)
+    casts = [n for n in graph.nodes if n.role == Role.FORWARD and n.op == "aten._to_copy.default"
+             and set(n.outputs) <= own]
+    assert casts  # the forward does cast weights (the premise)
+    assert not own & {u for n in graph.nodes if n.role == Role.BACKWARD for u in n.uses()}
+
+
 # ----- the command
 def test_sbpc_memory_json_has_one_object_per_role():
     import json
@@ -211,6 +236,23 @@ def test_compile_refuses_a_plan_over_the_budget_in_one_line(tmp_path):
     assert "hint: no single change sbpc can make fits (tried: --recompute selective, --recompute full, --offload optimizer, " \
            "--mesh 1x2x1, --mesh 1x1x2)" in line
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_change_named_by_a_refusal_fits_as_its_own_compile_says():
+    """The refusal's advice re-runs only the passes on the user's capture (recompute candidates
+    share propagation and boxing); what it names must be what a compile under that change
+    estimates. Pipelined and dp 2: the budget is exactly ZeRO-1's fullest role."""
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.compiler.memory import advice
+    from sbpc.errors import CompileError
+
+    args = ("gpt.py", "2x1x2", {"hidden": 128, "heads": 4})
+    total = lambda **kw: max(r.total for r in _compile(*args, batch=8, **kw).plan.estimates.roles)  # noqa: E731
+    budget = total(memory=MemoryOptions(zero=1))
+    assert total() > budget
+    with pytest.raises(CompileError) as err:
+        _compile(*args, batch=8, memory=MemoryOptions(device_memory=budget))
+    assert f"the cheapest change that fits: --zero 1 ({advice.gb(budget)} on its fullest role" in str(err.value.hint)
 
 
 # ----- ZeRO: the fp32 analogue of 16P, 4P + 12P/N, 2P + 14P/N, 16P/N (this program keeps fp32

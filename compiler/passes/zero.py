@@ -27,6 +27,7 @@ from typing import ClassVar
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.frontend.hints import Hint
+from sbpc.compiler.ir.aten import returns_alias
 from sbpc.compiler.ir.types import FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, rename_uses
 from sbpc.compiler.memory_options import ZERO_STAGES
 from sbpc.compiler.pass_manager import Fact
@@ -55,9 +56,16 @@ class Zero:
 
     def apply(self, graph: Graph, ctx) -> Graph:
         dp = graph.mesh.size(AXIS)
-        if self.stage == 0 or dp == 1:
-            return graph
-        return _Rewrite(graph, self.stage, dp).run()
+        if self.stage != 0 and dp > 1:
+            graph = _Rewrite(graph, self.stage, dp).run()
+        if graph.mesh.microbatches > 1 and not (self.stage >= 3 and dp > 1):
+            # each micro-batch's forward makes its own copy of a weight's cast (a bf16 weight
+            # under autocast) and would keep it until its backward: p - s copies in flight on
+            # 1F1B stage s. The backward makes its own instead; views of the weight stay.
+            params = {p.value for p in graph.inputs_of(InputKind.PARAM)}
+            fresh = FreshNames(set(graph.value_types()) | {i.value for i in graph.inputs})
+            graph = replace(graph, nodes=_recompute_param_values(graph.nodes, params, fresh, new_storage_only=True))
+        return graph
 
 
 def zero_dim(shape: tuple[int, ...], taken: set[int], dp: int) -> int | None:
@@ -168,17 +176,24 @@ class _Rewrite:
         return out, outputs
 
 
-def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNames) -> list[Node]:
+def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNames,
+                            new_storage_only: bool = False) -> list[Node]:
     """Backward readers of a forward value computed from parameters alone read a copy computed
     in the backward, so the forward's value, and the gathered weight it may hold, die with the
-    forward. (The optimizer reads the shards, never the gathered weight.)"""
+    forward. (The optimizer reads the shards, never the gathered weight.) ``new_storage_only``:
+    only values with a storage of their own (a cast, not a view or hint of the weight)."""
     derived: set[str] = set(params)
+    own: set[str] = set()  # derived values that are not views of a parameter's storage
     fwd_producer: dict[str, Node] = {}
     for n in nodes:
         if n.role in (Role.FORWARD, Role.PRE) and n.outputs and all(u in derived for u in n.uses()) and list(n.uses()):
             derived.update(n.outputs)
+            if not (n.op == HINT_OP or returns_alias(n.op)) or any(u in own for u in n.uses()):
+                own.update(n.outputs)
             for o in n.outputs:
                 fwd_producer[o] = n
+    if new_storage_only:
+        fwd_producer = {v: n for v, n in fwd_producer.items() if v in own}
     copies: dict[tuple[str, Role], str] = {}
     out: list[Node] = []
 

@@ -7,16 +7,18 @@ therefore falls between transformer blocks or next to the embedding and the head
 inside a block, unless there are more (virtual) chunks than units. (More pp stages than units
 is an error, raised by the pass.)
 
-``CostBalanced`` (the default) minimises the most expensive chunk, where a chunk costs
+``CostBalanced`` (the default) balances time first and memory second. A chunk's time is
 
     its compute (forward + backward + optimizer ops, each the larger of bytes touched over
     memory bandwidth and flops over peak; see ``RooflineCost``)
-  + the transfers at its cuts (the activations crossing a cut forward, their gradients back)
-  + ``memory_weight`` x its memory: the activations it saves for backward times the micro-
-    batches it keeps in flight (1F1B: chunk c of C keeps min(C - c, m)), plus its
-    parameters, gradients and optimizer state.
+  + the transfers at its cuts (the activations crossing a cut forward, their gradients back);
 
-Compute and memory are taken as fractions of the model's totals, so the weight is unitless.
+its memory is the activations it saves for backward times the micro-batches it keeps in
+flight (1F1B: chunk c of C keeps min(C - c, m)), plus its parameters, gradients and optimizer
+state. It minimises the slowest chunk's time, then, within ``time_slack`` of that, the fullest
+chunk's memory. (Memory is no weighted term of one cost: 1F1B's first stage keeps p micro-
+batches in flight, and a sum priced that way gave the first stages one block each and the last
+a fifth of the model.)
 """
 from __future__ import annotations
 
@@ -116,47 +118,77 @@ def single_stage(problem: PartitionProblem) -> list[int]:
 
 @dataclass(frozen=True)
 class CostBalanced:
+    """Throughput first, then memory: the slowest chunk sets the step time, so the cuts first
+    minimise the most expensive chunk's time (compute + transfers at its cuts); then, among
+    the partitions whose every chunk takes at most ``time_slack`` more than that, they
+    minimise the fullest chunk's memory (the activations it keeps for its in-flight
+    micro-batches plus its model state); ties go to the evenest times. On a uniform stack of
+    blocks this is Megatron's layers / pp per stage, the embedding on the first and the head on
+    the last; a larger ``time_slack`` lets memory push blocks off the early stages."""
+
     cost: RooflineCost = field(default_factory=RooflineCost)
-    memory_weight: float = 0.25  # memory matters, but throughput is set by the slowest chunk
+    time_slack: float = 0.05  # how much slower than the fastest partition memory may make a chunk
 
     def __call__(self, problem: PartitionProblem) -> list[int]:
-        """Exact: a dynamic program over (chunk, units covered) minimising the most expensive
-        chunk, then the sum of squared chunk costs (so the other chunks are even too)."""
         n, chunks = len(problem.units), problem.num_chunks
         prof = profile(problem.graph, problem.group, n, self.cost)
         T, S, W = (np.concatenate([[0.0], np.cumsum(x, dtype=float)]) for x in (prof.compute, prof.saved, prof.static))
-        t_tot, m_tot = max(T[-1], 1e-30), max(S[-1] + W[-1], 1.0)
+        t_tot = max(T[-1], 1e-30)
         comm = np.array([2 * self.cost.transfer(x) / t_tot for x in prof.crossing])  # activations on, gradients back
-        lo, hi = np.array(problem.lo), np.array(problem.hi)
-        # best[e]: the smallest max chunk cost covering units [0, e) with the chunks so far
-        best, sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
-        best[0] = sq[0] = 0.0
-        choice = np.zeros((chunks, n + 1), dtype=int)
-        for k in range(chunks):
-            m = in_flight(k, chunks, problem.microbatches)
-            new_best, new_sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
-            for e in range(n + 1):
-                j = np.arange(e + 1)  # chunk k holds units [j, e)
-                cost = ((T[e] - T[j]) / t_tot + comm[j] + comm[e]
-                        + self.memory_weight * (m * (S[e] - S[j]) + W[e] - W[j]) / m_tot)
-                if e > 0:  # bounds are monotone: the first unit has the least hi, the last the most lo
-                    cost[:e][(hi[:e] < k) | (lo[e - 1] > k)] = np.inf
-                cost[e] = _EMPTY  # an empty chunk, only where nothing else fits
-                worst = np.maximum(best[j], cost)
-                if not np.isfinite(worst.min()):
-                    continue
-                ties = worst <= worst.min() * (1 + 1e-9)
-                pick = int(np.argmin(np.where(ties, sq[j] + cost ** 2, np.inf)))
-                new_best[e], new_sq[e], choice[k, e] = worst[pick], sq[pick] + cost[pick] ** 2, pick
-            best, sq = new_best, new_sq
-        if not np.isfinite(best[n]):
-            raise CompileError("no partition satisfies the stage hints")  # unreachable: the bounds are monotone
-        out, e = [0] * n, n
-        for k in reversed(range(chunks)):
-            j = choice[k, e]
-            out[j:e] = [k] * (e - j)
-            e = j
+        # the profile's activations are the whole batch's: a micro-batch keeps 1/m of them
+        B = np.concatenate([[0], np.cumsum([o[1] for o in prof.ops])])  # backward ops per unit, summed
+        per_mb = 1 / max(problem.microbatches, 1)
+        m_tot = max(S[-1] * per_mb + W[-1], 1.0)  # memory as a fraction of one micro-batch's model (below _EMPTY)
+
+        def time(k, j, e):
+            # a chunk without backward work (a lone view, cut between ops) only where nothing else fits
+            return (T[e] - T[j]) / t_tot + comm[j] + comm[e] + np.where(B[e] - B[j] > 0, 0.0, _EMPTY / 2)
+
+        def memory(k, j, e):
+            return (in_flight(k, chunks, problem.microbatches) * per_mb * (S[e] - S[j]) + W[e] - W[j]) / m_tot
+
+        fastest, _ = _min_max_cuts(problem, time, time)
+        limit = fastest * (1 + self.time_slack)
+        # a chunk over the time limit is infeasible; the fastest partition itself always fits
+        bounded = lambda k, j, e: np.where(time(k, j, e) <= limit * (1 + 1e-9), memory(k, j, e), np.inf)
+        _, out = _min_max_cuts(problem, bounded, time)
         return out
+
+
+def _min_max_cuts(problem: PartitionProblem, cost, spread) -> tuple[float, list[int]]:
+    """Exact: a dynamic program over (chunk, units covered) minimising the largest ``cost`` of
+    a chunk, then the sum of squared ``spread`` (so the other chunks are even too). ``cost(k,
+    j, e)`` and ``spread`` price chunk k holding units [j, e) for the array j = 0..e."""
+    n, chunks = len(problem.units), problem.num_chunks
+    lo, hi = np.array(problem.lo), np.array(problem.hi)
+    # best[e]: the smallest max chunk cost covering units [0, e) with the chunks so far
+    best, sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+    best[0] = sq[0] = 0.0
+    choice = np.zeros((chunks, n + 1), dtype=int)
+    for k in range(chunks):
+        new_best, new_sq = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+        for e in range(n + 1):
+            j = np.arange(e + 1)  # chunk k holds units [j, e)
+            c = np.array(cost(k, j, e), dtype=float)
+            s = np.array(spread(k, j, e), dtype=float)
+            if e > 0:  # bounds are monotone: the first unit has the least hi, the last the most lo
+                c[:e][(hi[:e] < k) | (lo[e - 1] > k)] = np.inf
+            c[e] = s[e] = _EMPTY  # an empty chunk, only where nothing else fits
+            worst = np.maximum(best[j], c)
+            if not np.isfinite(worst.min()):
+                continue
+            ties = worst <= worst.min() * (1 + 1e-9)
+            pick = int(np.argmin(np.where(ties, sq[j] + s ** 2, np.inf)))
+            new_best[e], new_sq[e], choice[k, e] = worst[pick], sq[pick] + s[pick] ** 2, pick
+        best, sq = new_best, new_sq
+    if not np.isfinite(best[n]):
+        raise CompileError("no partition satisfies the stage hints")  # unreachable: the bounds are monotone
+    out, e = [0] * n, n
+    for k in reversed(range(chunks)):
+        j = choice[k, e]
+        out[j:e] = [k] * (e - j)
+        e = j
+    return float(best[n]), out
 
 
 _EMPTY = 1e6  # cost of a chunk without units: far above any real one (costs are fractions of the total)
