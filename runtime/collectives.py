@@ -36,7 +36,7 @@ from sbpc.errors import PlanError
 from sbpc.runtime.backend import Done, Work
 from sbpc.runtime.kinds import ISSUE, WAIT, Collective
 from sbpc.runtime.sbp import Partial, Split
-from sbpc.runtime.sharding import join_chunks, shard_of, take_chunk
+from sbpc.runtime.sharding import join_chunks, owned, shard_of, take_chunk
 
 if TYPE_CHECKING:
     from sbpc.runtime.backend import Backend
@@ -220,7 +220,7 @@ def all_to_all(backend: Backend, x: torch.Tensor, axis: str, src_dim: int, dst_d
     if src == dst:
         return x
     if src.dim == dst.dim:  # re-blocking one dim: the pieces do not commute with the split; gather
-        return take_chunk(all_gather(backend, x, axis, src.dim, src.parts), dst, index, n).contiguous()
+        return owned(take_chunk(all_gather(backend, x, axis, src.dim, src.parts), dst, index, n))
     # piece i -> j is take_chunk(x_i, dst, j): slicing dst.dim commutes with assembling src.dim
     got = backend.communicator.all_to_all(_arrange(x, dst, n), group, dst.dim, src.dim)
     if src.parts == 1:
@@ -232,7 +232,7 @@ def shard_slice(backend: Backend, x: torch.Tensor, axis: str, dim: int, parts: i
     group, index = axis_group(backend, axis)
     if len(group) == 1:
         return x
-    return take_chunk(x, Split(_dim(x, dim), parts), index, len(group)).contiguous()
+    return owned(take_chunk(x, Split(_dim(x, dim), parts), index, len(group)))
 
 
 def keep_first(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> torch.Tensor:

@@ -109,6 +109,7 @@ class PipelineRunner(Runner):
                 self.programs[key] = _program(programs[key[0]].instructions, body, backend)
         self.types = {o: t for prog in plan.stages for ins in prog.instructions for o, t in zip(ins.outs, ins.types)}
         mine = {v for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage for v in b.inputs}
+        self._batch_here = {b.value for b in plan.batch if b.value in mine}  # the batch tensors this stage reads
         self._load(weights, seed, {p.name for p in plan.params if p.value in mine},
                    {b.name for b in plan.buffers if b.value in mine}, {s.name for s in plan.states if s.value in mine})
         self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
@@ -137,22 +138,8 @@ class PipelineRunner(Runner):
             self._post(self.order[0], posted)
         for k, task in enumerate(self.order):
             start = time.time()
-            env = envs[task.mb] if task.mb is not None else step_env
-            body = self.graph.bodies[task.key]
-            self._receive(task, body, env, local, posted)
-            if k + 1 < len(self.order):  # the next task's receives fly while this one computes
-                self._post(self.order[k + 1], posted)
-            for it in body.reads:
-                env[it.outs[0]] = acc[it.uses[0]]
-            self.backend.microbatch = task.mb or 0
-            values = [env[v] if v in env else step_env[v] if v in step_env else envs[0][v] for v in body.inputs]
-            values += [env[it.outs[0]] for it in body.recvs + body.reads]
-            outs = self.programs[task.key].run(values)
-            env.update(zip(body.outputs, outs))
-            for v, t in zip(body.outputs, outs):
-                if v in self.graph.accumulated:
-                    acc[v] = t.clone() if v not in acc else acc[v] + t
-            sends += self._send(task, env, local)
+            nxt = self.order[k + 1] if k + 1 < len(self.order) else None
+            sends += self._fire(task, nxt, envs, step_env, acc, local, posted)
             if task.mb is not None and self._last_of_mb.get(task.mb) == task:
                 envs[task.mb] = {}  # the micro-batch's regst is free
             self.firings.append(Firing(fmt(task), start, time.time(), self.steps))
@@ -164,9 +151,33 @@ class PipelineRunner(Runner):
             step_env = {**envs[0], **step_env}
         return self._finish(step_env, keep_grads)
 
+    def _fire(self, task: Task, nxt: Task | None, envs, step_env, acc, local, posted) -> list:
+        """Run one task: receive, post the receives of the next task ``nxt``, run its program,
+        accumulate, send. A method so that its inputs and results (locals here) die when it
+        returns: only the environments, the accumulators, the posted receives and the pending
+        sends hold tensors between tasks."""
+        env = envs[task.mb] if task.mb is not None else step_env
+        body = self.graph.bodies[task.key]
+        self._receive(task, body, env, local, posted)
+        if nxt is not None:  # the next task's receives fly while this one computes
+            self._post(nxt, posted)
+        for it in body.reads:
+            env[it.outs[0]] = acc[it.uses[0]]
+        self.backend.microbatch = task.mb or 0
+        values = [env[v] if v in env else step_env[v] if v in step_env else envs[0][v] for v in body.inputs]
+        values += [env[it.outs[0]] for it in body.recvs + body.reads]
+        outs = self.programs[task.key].run(values)
+        env.update(zip(body.outputs, outs))
+        for v, t in zip(body.outputs, outs):
+            if v in self.graph.accumulated:  # out of place: the first result itself is the accumulator
+                acc[v] = t if v not in acc else acc[v] + t
+        return self._send(task, env, local)
+
     def _microbatch(self, batch, j: int) -> dict[str, torch.Tensor]:
         env = {}
         for b, spec in zip(batch, self.plan.batch):
+            if spec.value not in self._batch_here:
+                continue
             part = b
             if spec.microbatch is not None and self.m > 1:
                 part = take_chunk(b, parse_sbp(spec.microbatch), j, self.m)

@@ -96,14 +96,14 @@ def arange_shard(backend, *args, axis, parts=1, **kwargs):
     (a float range computed from a shifted start could round differently); it is 1-D and
     small (positions), which makes that cheap."""
     from sbpc.runtime.sbp import Split
-    from sbpc.runtime.sharding import take_chunk
+    from sbpc.runtime.sharding import owned, take_chunk
 
     topo = backend.topology
     pos, k = 0, 1
     for a in [axis] if isinstance(axis, str) else axis:
         pos, k = pos * topo.size(a) + topo.index(a), k * topo.size(a)
     op = (aten.arange.default, aten.arange.start, aten.arange.start_step)[len(args) - 1]
-    return take_chunk(op(*args, **kwargs), Split(0, parts), pos, k).contiguous()
+    return owned(take_chunk(op(*args, **kwargs), Split(0, parts), pos, k))
 
 
 KERNELS = {

@@ -46,7 +46,15 @@ def local_shard(t: torch.Tensor, nd: NdSbp, coords: tuple[int, ...], sizes: tupl
     """Device at ``coords`` (one index per SBP axis)'s shard of logical ``t``; axes apply in order."""
     for s, i, k in zip(nd, coords, sizes):
         t = shard_of(t, s, i, k)
-    return t.contiguous()
+    return owned(t)
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous in a storage of its own size. A chunk on a leading dim is a view whose
+    storage is the whole tensor: held as a shard, it would keep all of the logical tensor
+    (every other device's part) alive."""
+    t = t.contiguous()
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def combine(shards: list[torch.Tensor], sbp: Sbp) -> torch.Tensor:
