@@ -12,12 +12,12 @@ the run, not a formula:
 - a one-program plan frees each value after its last use (a result nobody reads at once);
 - a pipelined stage runs its tasks in the plan's order. A task's results that later tasks
   read stay in the micro-batch's environment until the micro-batch's last task on the stage
-  (the regst); batch shards of every micro-batch are cut at the start of the step; received
-  values join the environment; a value sent to another stage is kept by its send until the
-  step ends (the runner waits for its sends then); an accumulated value (a weight gradient) gets one accumulator
-  from its first firing on; inside a task, values die after their last use there, and a
-  result nobody reads lives until the task returns; the results of a task are held by the
-  runner's loop until the next task has run, even when their micro-batch is done.
+  (the regst); the stage's batch shards of every micro-batch are cut at the start of the step;
+  received values join the environment; a value sent to another stage is kept by its send
+  until the step ends (the runner waits for its sends then); an accumulated value (a weight
+  gradient) is its first firing's result, later ones are added out of place right after their
+  task; inside a task, values die after their last use there, and a result nobody reads lives
+  until the task returns.
 
 ZeRO (SBP of parameters and state), recompute (the graph), precision (dtypes) and optimizer
 offload (the memory of a placement) change the IR, so the estimate follows them without knowing
@@ -37,6 +37,8 @@ from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
 from sbpc.runtime.plan import RoleMemory
 
+# buckets whose results are pieces (views) of one flat tensor (runtime/collectives.py)
+_FLAT_RESULT = frozenset({Collective.ALL_REDUCE_COALESCED.op, Collective.REDUCE_SCATTER_COALESCED.op})
 _PLUMBING = frozenset({ACCUMULATE, TRANSFER, "aten.cat.default", "aten.view.default", "aten._unsafe_view.default"})
 
 
@@ -94,7 +96,7 @@ class Storages:
             staged = _staging(n, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
             if staged and n.memory == memory:
                 self.staging[id(n)] = staged
-            if n.op == Collective.ALL_REDUCE_COALESCED.op and n.outputs:  # pieces of one flat bucket
+            if n.op in _FLAT_RESULT and n.outputs:  # pieces of one flat bucket
                 for o in n.outputs:
                     self.root[o] = n.outputs[0]
                 self.store[n.outputs[0]] = _Storage(sum(nbytes), *_terms(n, n.outputs[0], grads))
@@ -123,10 +125,12 @@ def _staging(n: Node, in_bytes: list[int], out_bytes: list[int], mesh) -> int:
     if kind is None or (isinstance(axis, str) and mesh.size(axis) <= 1):
         return 0
     first = in_bytes[0] if in_bytes else 0
-    if kind == Collective.ALL_REDUCE_COALESCED:
-        return sum(in_bytes)
+    if kind in (Collective.ALL_REDUCE_COALESCED, Collective.REDUCE_SCATTER_COALESCED):
+        return sum(in_bytes)  # the flat copy of the bucket
     if kind == Collective.ALL_GATHER:
         return sum(out_bytes)
+    if kind == Collective.ALL_GATHER_COALESCED:  # the flat shards, and the gathered flat buffer
+        return sum(in_bytes) + sum(out_bytes)
     if kind == Collective.REDUCE_SCATTER:
         return first if n.kwargs.get("dim", 0) != 0 or n.kwargs.get("parts", 1) > 1 else 0
     if kind == Collective.ALL_TO_ALL:
@@ -182,6 +186,8 @@ class _TaskProfile:
     peak: int
     terms: dict[Term, int]
     made: set[str]  # roots it allocates
+    end: int  # bytes of its results when it returns (those that outlive it)
+    end_terms: dict[Term, int]
 
 
 def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[str], outside: set[str],
@@ -227,7 +233,7 @@ def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[st
         gone = deaths.get(k, ())
         live.difference_update(gone)
         b -= store.nbytes(gone)
-    return _TaskProfile(best, best_terms, set(born))
+    return _TaskProfile(best, best_terms, set(born), b, store.by_term(live, held=True))
 
 
 def _graph_output_values(graph: Graph) -> set[str]:
@@ -331,7 +337,6 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     step_env: set[tuple] = set()
     accs: set[tuple] = set()
     pending: set[tuple] = set()  # sent to another stage: the send keeps it until the step ends
-    previous: set[tuple] = set()  # the last task's results: the runner's loop holds them during the next
     profiles: dict[tuple, _TaskProfile] = {}
     started: set[int] = set()
     peak = _Peak()
@@ -342,7 +347,7 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         once = persistent_keys | step_env | accs
         key = lambda v: (store.root[v], None) if (store.root[v], None) in once else (store.root[v], mb)  # noqa: E731
         here |= {key(it.outs[0]) for it in body.recvs}
-        kept = persistent_keys | step_env | accs | previous | set().union(*env)
+        kept = persistent_keys | step_env | accs | set().union(*env)
         held = kept | pending
         if task.key not in profiles:
             visible = {r for r, j in held if j is None or j == mb or mb is None}
@@ -355,10 +360,18 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         base = _nbytes(store, held)
         if timeline is not None:
             timeline.append(Moment(stage, fmt(task), base, base + prof.peak, in_flight))
-        terms = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, pending - kept)}, prof.terms)
+        between = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, pending - kept)})  # held across tasks
+        terms = _add(between, prof.terms)
         peak.offer(base + prof.peak, terms, fmt(task), in_flight)
-        previous = {key(o) for o in body.outputs}
-        here |= previous
+        # the runner accumulates after the task, its results still in the environment: a first
+        # firing's result becomes the accumulator (one storage, held once a step from now on); a
+        # later one is added out of place, the old and the new sum alive together, one at a time
+        firsts = {o for o in body.outputs if o in acc_of and (store.root[acc_of[o]], None) not in accs}
+        adds = [store.store[store.root[acc_of[o]]].nbytes for o in body.outputs if o in acc_of and o not in firsts]
+        if adds:
+            peak.offer(base + prof.end + max(adds), _add(between, prof.end_terms, {Term.GRADS: max(adds)}), fmt(task),
+                       in_flight)
+        here |= {key(o) for o in body.outputs if o not in firsts}
         accs |= {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of}
         pending |= {key(x.value) for x in tg.sends.get(task.key, []) if x.dst_chunk % pp != stage}
         if mb is not None and last_of_mb.get(mb) == task:
