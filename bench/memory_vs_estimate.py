@@ -33,12 +33,15 @@ from sbpc.compiler.frontend.hints import load_config
 from sbpc.compiler.frontend.model_loader import load_model, parse_sets
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.mesh import parse_mesh
+from sbpc.compiler.memory_options import MemoryOptions, Recompute
 from sbpc.compiler.passes import PipelineOptions
 
 GPT = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "gpt.py"))
 SMALL = ["preset=small"]  # GPT-2 small: 12 layers, hidden 768, vocab 50304, seq 1024
 MEGATRON = os.path.join(os.path.dirname(GPT), "gpt.megatron.toml")
-CASES = [  # name, --set values, mesh, batch size, micro-batches, parallel config
+Z1, Z2, Z3 = (MemoryOptions(zero=z) for z in (1, 2, 3))
+SELECTIVE, FULL = MemoryOptions(recompute=Recompute.SELECTIVE), MemoryOptions(recompute=Recompute.FULL)
+CASES = [  # name, --set values, mesh, batch size, micro-batches, parallel config[, memory options]
     ("tiny", ["preset=tiny"], "1", 8, 1, None),
     ("tiny", ["preset=tiny"], "2x1x1", 8, 1, None),
     ("tiny", ["preset=tiny"], "1x2x1", 8, 1, MEGATRON),
@@ -47,6 +50,15 @@ CASES = [  # name, --set values, mesh, batch size, micro-batches, parallel confi
     ("tiny", ["preset=tiny"], "1x1x4", 16, 8, None),
     ("tiny", ["preset=tiny"], "1x1x4", 256, 8, None),  # activations dominate: the peak is in the pipeline
     ("tiny", ["preset=tiny"], "2x2x2", 8, 2, MEGATRON),
+    ("tiny", ["preset=tiny"], "2x1x1", 8, 1, None, Z1),
+    ("tiny", ["preset=tiny"], "2x1x1", 8, 1, None, Z2),
+    ("tiny", ["preset=tiny"], "2x1x1", 8, 1, None, Z3),
+    ("tiny", ["preset=tiny"], "2x2x1", 8, 1, MEGATRON, Z1),
+    ("tiny", ["preset=tiny"], "2x2x1", 8, 1, MEGATRON, Z3),
+    ("tiny", ["preset=tiny", "seq=128"], "2x2x1", 8, 1, MEGATRON, SELECTIVE),
+    ("tiny", ["preset=tiny", "seq=128"], "2x2x1", 8, 1, MEGATRON, FULL),
+    ("tiny", ["preset=tiny"], "2x2x2", 8, 2, MEGATRON, Z2),
+    ("tiny", ["preset=tiny", "seq=128"], "2x2x2", 8, 2, MEGATRON, FULL),
     ("small", SMALL, "1", 1, 1, None),
     ("small", SMALL, "1x2x1", 1, 1, MEGATRON),
     ("small", SMALL, "1x1x2", 2, 2, None),
@@ -62,12 +74,13 @@ class _Ledger:
         self.live = [0] * world
         self.peak = [0] * world
         self.armed = [False] * world
+        self.outside: set[int] = set()  # data pointers of storages that are not the ranks'
 
     def hold(self, rank: int, t: torch.Tensor) -> None:
         s = t.untyped_storage()
         key = id(s)
         with self.lock:
-            if key in self.owner:
+            if key in self.owner or s.data_ptr() in self.outside:
                 return
             self.owner[key] = (rank, s.nbytes())
             self._move(rank, s.nbytes())
@@ -132,6 +145,9 @@ def _rank(payload: dict) -> int:
     comm.recv = tracked_recv
     runner = make_runner(plan, make_backend("cpu", comm), seed=0)
     batch = BatchSource(plan, 0)(0)
+    # the logical batch is the caller's (host memory under a device backend): the rank's are the
+    # shards it cuts, though a chunk of it is a view that names its storage
+    ledger.outside.update(t.untyped_storage().data_ptr() for t in batch)
     with _Track(ledger, rank):
         for group in (runner.params, runner.buffers, runner.states):
             for t in group.values():
@@ -173,17 +189,19 @@ def main(argv=None) -> int:
                     help="ranks as gloo processes (default: the runtime as deployed) or threads of this process")
     args = ap.parse_args(argv)
     cases = [c for c in CASES if not args.quick or c[0] == "tiny"]
-    print(f"{'model':12} {'mesh':7} {'mb':>2} {'role':8} {'peak at':8} {'est MiB':>9} {'meas MiB':>9} {'ratio':>6}   "
+    print(f"{'model':30} {'mesh':7} {'mb':>2} {'role':8} {'peak at':8} {'est MiB':>9} {'meas MiB':>9} {'ratio':>6}   "
           f"estimate terms (MiB): params grads optimizer activations buffers temporaries")
     worst = 1.0
-    for name, sets, mesh_text, batch, m, config in cases:
+    for name, sets, mesh_text, batch, m, config, *options in cases:
+        memory = options[0] if options else MemoryOptions()
         mesh = parse_mesh(mesh_text)
         source = load_model(GPT, parse_sets(sets))
         plan = compile_model(source, mesh, batch_size=batch, optimizer=OptimizerConfig(),
                              config=load_config(config) if config else None,
-                             pipeline=PipelineOptions(microbatches=m)).plan
-        name += " sp" if "sp=True" in sets else ""
-        name += f" b{batch}"
+                             pipeline=PipelineOptions(microbatches=m), memory=memory).plan
+        name += "".join(f" {s}" for s in sets[1:])
+        name += f" b{batch}" + (f" z{memory.zero}" if memory.zero else "")
+        name += f" rc-{memory.recompute.value}" if memory.recompute != Recompute.NONE else ""
         peaks = measure(plan, args.ranks)
         for role in plan.estimates.roles:
             ranks = [r for r in range(plan.world_size) if plan.coords(r).get("pp", 0) == role.stage]
@@ -193,7 +211,7 @@ def main(argv=None) -> int:
                 worst = ratio
             terms = " ".join(_mib(x).strip() for x in (role.params, role.grads, role.optimizer, role.activations,
                                                        role.buffers, role.temporaries))
-            print(f"{name:12} {mesh_text:7} {m:>2} {role.role:8} {role.peak_at:8} {_mib(role.total)} {_mib(measured)} "
+            print(f"{name:30} {mesh_text:7} {m:>2} {role.role:8} {role.peak_at:8} {_mib(role.total)} {_mib(measured)} "
                   f"{ratio:6.3f}   {terms}", flush=True)
     print(f"ratio={worst:.3f}")
     return 0
