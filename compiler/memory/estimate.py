@@ -14,7 +14,8 @@ the run, not a formula:
   read stay in the micro-batch's environment until the micro-batch's last task on the stage
   (the regst); the stage's batch shards of every micro-batch are cut at the start of the step;
   received values join the environment; a value sent to another stage is kept by its send
-  until the step ends (the runner waits for its sends then); an accumulated value (a weight
+  until the step ends (the runner waits for its sends then); the next task's receives are
+  posted (their buffers allocated) before a task runs; an accumulated value (a weight
   gradient) is its first firing's result, later ones are added out of place right after their
   task; inside a task, values die after their last use there, and a result nobody reads lives
   until the task returns.
@@ -340,7 +341,7 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     profiles: dict[tuple, _TaskProfile] = {}
     started: set[int] = set()
     peak = _Peak()
-    for task in order:
+    for k, task in enumerate(order):
         body = mine[task.key]
         mb = task.mb
         here = env[mb] if mb is not None else step_env
@@ -348,7 +349,11 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         key = lambda v: (store.root[v], None) if (store.root[v], None) in once else (store.root[v], mb)  # noqa: E731
         here |= {key(it.outs[0]) for it in body.recvs}
         kept = persistent_keys | step_env | accs | set().union(*env)
-        held = kept | pending
+        # the runner posts the next task's receives from other stages before this one runs
+        # (gloo irecv into a buffer of its own): they are live during it
+        nxt = order[k + 1] if k + 1 < len(order) else None
+        ahead = {(store.root[it.outs[0]], nxt.mb) for it in mine[nxt.key].recvs if it.src % pp != stage} if nxt else set()
+        held = kept | pending | ahead
         if task.key not in profiles:
             visible = {r for r, j in held if j is None or j == mb or mb is None}
             kernels = [(it.index, nodes[it.index]) for it in body.kernels]
@@ -360,7 +365,7 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         base = _nbytes(store, held)
         if timeline is not None:
             timeline.append(Moment(stage, fmt(task), base, base + prof.peak, in_flight))
-        between = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, pending - kept)})  # held across tasks
+        between = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, (pending | ahead) - kept)})  # held across tasks
         terms = _add(between, prof.terms)
         peak.offer(base + prof.peak, terms, fmt(task), in_flight)
         # the runner accumulates after the task, its results still in the environment: a first
