@@ -28,7 +28,7 @@ from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.kinds import Collective, MemoryKind
-from sbpc.runtime.sbp import NdSbp, Split, format_nd_sbp
+from sbpc.runtime.sbp import NdSbp, Partial, Split, format_nd_sbp
 
 HOST, DEVICE = MemoryKind.HOST, MemoryKind.DEVICE
 
@@ -86,7 +86,7 @@ class _Inserter:
             for o, nd in zip(n.outputs, n.sbp or []):
                 self.sbp[o] = nd
         outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
-        outputs = self._restore_layouts(outputs)
+        outputs = [self._reduced_gradient(o) for o in self._restore_layouts(outputs)]
         graph = replace(self.g, nodes=self.out, outputs=outputs, regather=frozenset())
         if all(n.sbp is not None for n in graph.nodes) and all(i.sbp is not None for i in graph.inputs):
             verify_boxed(graph)
@@ -152,6 +152,18 @@ class _Inserter:
                 o = replace(o, value=self.convert(o.value, src.sbp, anchor))
             fixed.append(o)
         return fixed
+
+    def _reduced_gradient(self, o):
+        """A partial gradient that is reduced for the optimizer leaves the step reduced: the same
+        logical tensor, and the partial then dies at its reduction instead of living to the end
+        of the step next to its reduced copy (twice the gradient's bytes)."""
+        have = self.sbp.get(o.value)
+        if o.kind != OutputKind.GRAD or have is None or not any(isinstance(s, Partial) for s in have):
+            return o
+        mem = self.mem.get(o.value, DEVICE)
+        reduced = next((name for (value, need, memory, _), name in self.boxed.items() if value == o.value
+                        and memory == mem and need is not None and not any(isinstance(s, Partial) for s in need)), None)
+        return o if reduced is None else replace(o, value=reduced)
 
     def _stage_of(self, value: str):
         """The chunk that makes ``value`` (its conversion runs there too; the last one for an input)."""
