@@ -66,3 +66,46 @@ def sbpc_check(*args: str, ranks: str = "threads", timeout: int = 900) -> subpro
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["check", *args, "--ranks", "threads", "--timeout", str(timeout)])
     return subprocess.CompletedProcess(["sbpc", "check", *args], code, out.getvalue(), err.getvalue())
+
+
+def collective_op(x) -> str:
+    """The op of a plan instruction or IR node, an overlapped collective seen as what it does:
+    the overlap pass's ``sbpc.issue(kind=K)`` is ``sbpc.K`` (its ``sbpc.wait`` stays itself)."""
+    from sbpc.runtime.kinds import ISSUE, Collective
+
+    return Collective(x.kwargs["kind"]).op if x.op == ISSUE else x.op
+
+
+def input_ref(ins) -> str:
+    """The value a plan instruction's first tensor argument names."""
+    return ins.args[0].ref
+
+
+def drop_collective(plan, pick, stage: int = 0):
+    """``plan`` with the first collective that ``pick`` accepts replaced by a copy of its input,
+    as if it were lost (each rank keeps its own part). An issued one loses its ``sbpc.issue``,
+    and its ``sbpc.wait`` becomes the copy (freeing what the issue freed)."""
+    from sbpc.runtime.kinds import ISSUE, WAIT
+
+    program = plan.stages[stage]
+    ins = list(program.instructions)
+    k = next(i for i, x in enumerate(ins) if pick(x))
+    copy = {"op": "aten.clone.default", "args": ins[k].args[:1], "kwargs": {}}
+    if ins[k].op == ISSUE:
+        work = ins[k].outs[0]
+        j = next(i for i, x in enumerate(ins) if x.op == WAIT and input_ref(x) == work)
+        ins[j] = ins[j].model_copy(update={**copy, "free": ins[k].free + [f for f in ins[j].free if f != work]})
+        del ins[k]
+    else:
+        ins[k] = ins[k].model_copy(update=copy)
+    stages = list(plan.stages)
+    stages[stage] = program.model_copy(update={"instructions": ins})
+    return plan.model_copy(update={"stages": stages})
+
+
+def input_gradient_all_reduce(plan, stage: int = 0):
+    """A ``pick`` for ``drop_collective``: a backward all-reduce of a matmul's partial result,
+    the gradient of a column-parallel linear's input (Megatron's classic lost all-reduce)."""
+    made_by = {o: x.op for x in plan.stages[stage].instructions for o in x.outs}
+    return lambda x: (collective_op(x) == "sbpc.all_reduce" and x.role == "bwd"
+                      and made_by.get(input_ref(x)) == "aten.mm.default")

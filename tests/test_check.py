@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import compile_example, sbpc
+from conftest import compile_example, drop_collective, input_gradient_all_reduce, sbpc
 from sbpc.compiler.tools.check import check_on_ranks, grad_deviations, run_check, update_deviation
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
@@ -231,9 +231,7 @@ def test_check_detects_a_dropped_all_reduce():
     """Megatron's classic bug: the backward all-reduce at a column-parallel input is lost, so
     each tp rank keeps its partial sum. The plan still runs; the check must say FAIL."""
     plan = _ranks_plan("1x2", "examples/gpt.megatron.toml")
-    dropped = lambda ins: ins.op == "sbpc.all_reduce" and ins.role == "bwd"
-    ins = next(i for i in plan.stages[0].instructions if dropped(i))
-    broken = _corrupt(plan, dropped, op="aten.clone.default", args=ins.args[:1], kwargs={})
+    broken = drop_collective(plan, input_gradient_all_reduce(plan))
     report = check_on_ranks(broken, OptimizerConfig(), steps=1, seed=0, tolerance=TOL, ranks="threads")
     assert not report.passed and report.table().splitlines()[-1].endswith("FAIL")
     row = report.rows[1]

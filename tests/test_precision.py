@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import sbpc, sbpc_check
+from conftest import collective_op, drop_collective, input_gradient_all_reduce, input_ref, sbpc, sbpc_check
 from sbpc.compiler.driver import compile_model
 from sbpc.compiler.frontend.hints import load_config
 from sbpc.compiler.frontend.model_loader import load_model
@@ -61,7 +61,7 @@ def test_master_weights_gradients_and_state_stay_fp32_and_the_matmuls_run_low():
     ops = plan.stages[0].instructions
     assert {i.types[0].dtype for i in ops if i.op in ("aten.mm.default", "aten.addmm.default")} == {"bf16"}
     # Megatron's tp all-reduces (2 per layer forward, examples/gpt.py has 2 layers) move bf16
-    fwd = [i.types[0].dtype for i in ops if i.op == "sbpc.all_reduce" and i.role == "fwd"]
+    fwd = [types[input_ref(i)].dtype for i in ops if collective_op(i) == "sbpc.all_reduce" and i.role == "fwd"]
     assert fwd == ["bf16"] * 4, fwd
 
 
@@ -79,9 +79,10 @@ def test_a_dropped_tp_all_reduce_fails_under_bf16():
     """The tolerance grows with bf16's own error, yet Megatron's classic bug still fails: each
     tp rank keeps its partial backward sum."""
     plan = _plan("examples/gpt.py", "1x2", "bf16", "examples/gpt.megatron.toml")
-    ins = next(i for i in plan.stages[0].instructions if i.op == "sbpc.all_reduce" and i.role == "bwd")
-    assert ins.types[0].dtype == "bf16"
-    broken = _corrupt(plan, lambda i: i is ins, op="aten.clone.default", args=ins.args[:1], kwargs={})
+    dropped = input_gradient_all_reduce(plan)
+    types = {o: t for ins in plan.stages[0].instructions for o, t in zip(ins.outs, ins.types)}
+    assert types[input_ref(next(i for i in plan.stages[0].instructions if dropped(i)))].dtype == "bf16"
+    broken = drop_collective(plan, dropped)
     report = check_on_ranks(broken, OptimizerConfig(), steps=1, seed=0, tolerance=TOL, ranks="threads")
     assert not report.passed and report.table().splitlines()[-1].endswith("FAIL")
     # the gradients alone: 1e-4 (10 times the tolerance; 0.9 in fp32, where eager's own error is
