@@ -93,7 +93,8 @@ def test_multi_device_compile_inspect_explain(tmp_path):
         CHECK: // 13 collective calls per step
     """)
     ir = sbpc("inspect", str(plan)).stdout
-    assert re.search(r'= sbpc\.all_reduce\(%addmm_1, axis="tp", reduce="sum"\) : f32\[512, 1024\] \{role=fwd, stage=0, '
+    # issued after the matmul, waited for at its first reader (passes/overlap.py)
+    assert re.search(r'= sbpc\.issue\(%addmm_1, kind="all_reduce", axis="tp", reduce="sum"\) : work\[\] \{role=fwd, stage=0, '
                      r'sbp=\[\[B, B\]\], sbp_in=\[\[B, P\]\], loc="h\.0\.attn\.c_proj"', ir), ir[:3000]
     why = sbpc("explain", str(plan), "h.0.attn.c_attn.weight").stdout
     filecheck(why, """

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, collective_op
 from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.executor import Program
@@ -364,7 +364,7 @@ def test_a_compiled_data_parallel_plan_matches_its_one_device_run(tmp_path):
 
     source = load_model("examples/mlp.py", {})
     plan = compile_model(source, parse_mesh("dp=2"), batch_size=4, optimizer=OptimizerConfig()).plan
-    assert any(ins.op.startswith("sbpc.all_") for ins in plan.stages[0].instructions)
+    assert any(collective_op(ins).startswith("sbpc.all_") for ins in plan.stages[0].instructions)
     path = tmp_path / "dp2.json"
     save_plan(plan, str(path))
     payload = {"plan": str(path), "steps": 3, "seed": 0, "backend": "cpu", "weights": None, "save": None,

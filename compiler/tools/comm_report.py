@@ -135,12 +135,15 @@ def explain(plan: P.Plan, name: str) -> str:
 def _consumers(plan: P.Plan, value: str) -> list[str]:
     lines = []
     for st in plan.stages:
+        # an overlapped collective is its sbpc.issue, and its result is its sbpc.wait's
+        waits = {_refs(ins.args)[0].ref: ins for ins in st.instructions if ins.op == WAIT}
         for ins in st.instructions:
             refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
-            kind = Kind.of(ins.op)
+            kind = Kind(ins.kwargs["kind"]) if ins.op == ISSUE else Kind.of(ins.op)
+            result = waits[ins.outs[0]] if ins.op == ISSUE else ins
             if value in refs and kind is not None and kind.single == kind:
-                lines.append(f"  boxed by {ins.op}(axis={ins.kwargs.get('axis')}) -> %{ins.outs[0]} "
-                             f"[{', '.join(ins.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
+                lines.append(f"  boxed by {kind.op}(axis={ins.kwargs.get('axis')}) -> %{result.outs[0]} "
+                             f"[{', '.join(result.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
     return lines
 
 

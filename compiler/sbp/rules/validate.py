@@ -111,11 +111,23 @@ def run_node(n: Node, env: dict[str, Any], topology: Topology | None = None) -> 
 
 
 def record(nodes: list[Node], inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Every value of a single-device program, by running it node by node."""
+    """Every value of a single-device program, by running it node by node, each as it was
+    made: a later in-place op (the optimizer's, ``passes/inplace.py``) overwrites the storage,
+    not the record of what the earlier readers read."""
     env = dict(inputs)
+    made = {v: _snapshot(x) for v, x in inputs.items()}
     for n in nodes:
         run_node(n, env)
-    return env
+        made.update((o, _snapshot(env.get(o))) for o in n.outputs)
+    return made
+
+
+def _snapshot(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_snapshot(y) for y in x)
+    return x
 
 
 def instances(nodes: list[Node], types: dict[str, TensorType], env: dict[str, Any], origin: str,
@@ -236,7 +248,7 @@ def _in_float64(inst: Instance) -> Instance | None:
         return None
     ins = [v.double() if lo else v for v, lo in zip(inst.ins, low)]
     node, names = _rename_uses(inst.node)
-    env = dict(zip(names, ins))
+    env = dict(zip(names, _snapshot(ins)))  # an in-place op overwrites its copy, not the instance
     try:
         run_node(node, env)
     except Exception:  # noqa: BLE001 - the op has no float64 kernel: the float32 verdict stands
@@ -256,12 +268,12 @@ def _check(book: RuleBook, inst: Instance, sig: Signature, k: int, seed: int, to
     if is_random(node.op):
         # the logical draw at the stream position every simulated rank starts from (a recorded
         # output came from another position); each rank must then hold its shard of that draw
-        env = dict(zip(names, inst.ins))
+        env = dict(zip(names, _snapshot(inst.ins)))
         run_node(node, env)
         wants = [env.get(o) for o in node.outputs]
     per_rank = []
     for r in range(k):
-        env = {nm: sh[r] for nm, sh in zip(names, shards)}
+        env = {nm: _snapshot(sh[r]) for nm, sh in zip(names, shards)}  # B shards are one tensor
         topo = Topology(((AXIS, k),), rank=r)
         try:
             for n in local:
