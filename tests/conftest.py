@@ -109,3 +109,21 @@ def input_gradient_all_reduce(plan, stage: int = 0):
     made_by = {o: x.op for x in plan.stages[stage].instructions for o in x.outs}
     return lambda x: (collective_op(x) == "sbpc.all_reduce" and x.role == "bwd"
                       and made_by.get(input_ref(x)) == "aten.mm.default")
+
+
+def tcp_store(world: int):
+    """A real torch TCPStore master on a free port (the NCCL unique-id exchange's transport)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def tcp_client(master):
+    """A client of ``tcp_store``'s master, as another rank holds it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
