@@ -127,27 +127,20 @@ def speed(args) -> float | None:
     optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                                   fused=True)
 
-    def eager(batch):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(*(t.to(device, non_blocking=True) for t in batch))
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
-
-    sides = {"plan": lambda batch: runner.step(batch).loss, "eager": eager}
-    if args.compile:
-        compiled = torch.compile(model)
-
-        def eager_compiled(batch):
+    def eager_step(forward):
+        """One bf16 autocast training step of ``forward`` (the model, or its torch.compile)."""
+        def step(batch):
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = compiled(*(t.to(device, non_blocking=True) for t in batch))
+                loss = forward(*(t.to(device, non_blocking=True) for t in batch))
             loss.backward()
             optimizer.step()
             return float(loss.detach())
+        return step
 
-        sides["torch.compile"] = eager_compiled
+    sides = {"plan": lambda batch: runner.step(batch).loss, "eager": eager_step(model)}
+    if args.compile:
+        sides["torch.compile"] = eager_step(torch.compile(model))
     for name, step in sides.items():
         for batch in batches[:args.warmup]:
             step(batch)
