@@ -180,6 +180,24 @@ def test_a_uniform_stack_gets_layers_over_pp_per_stage():
     assert chunk["wte"] == 0 and chunk["lm_head"] == 7
 
 
+def test_the_policy_costs_each_backward_op_in_the_chunk_it_runs_in():
+    """The policy prices a partition before the pass places the backward; both must agree.
+    Autograd's sums of the residual stream's gradient carry the loss's source line: costed by
+    that line alone they all fell on the last chunk (2 per layer; at 1T's 128 layers the loss
+    chunk cost 0.8 of a block, so the fastest partition needed 3 blocks on a stage and memory
+    then took blocks off the early ones: 1 per stage there, 3 on stages 40-62)."""
+    g = partition(captured("examples/gpt.py", layers=8), mesh="1x1x4")
+    forward_only = [n.stage if n.role == Role.FORWARD else None for n in g.nodes]
+    as_costed, as_placed = (profile(g, groups, 4, RooflineCost()) for groups in (forward_only, [n.stage for n in g.nodes]))
+    # forward and backward op counts per chunk agree exactly; the policy leaves out only the
+    # update's shared scalar ops (AdamW's step count), which the pass puts on chunk 0
+    assert [o[:2] for o in as_costed.ops] == [o[:2] for o in as_placed.ops]
+    assert as_costed.compute == pytest.approx(as_placed.compute, rel=1e-4)
+    residual_sums = [n for n in g.nodes if n.role == Role.BACKWARD and n.op == "aten.add.Tensor" and n.loc
+                     and n.loc.module == ""]
+    assert len(residual_sums) >= 8 and {n.stage for n in residual_sums} == {0, 1, 2, 3}
+
+
 def test_tied_weights_are_reported():
     g = partition(captured("examples/hf_gpt2.py"), mesh="1x1x4")
     chunks = param_chunks(g)

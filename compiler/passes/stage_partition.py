@@ -21,7 +21,8 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, first_readers,
-                                        in_flight, layer_key, optimizer_owners, profile)
+                                        in_flight, layer_key, optimizer_owners, place_backward,
+                                                    profile)
 from sbpc.errors import CompileError, UsageError
 
 _HINT_FIX = "check the sbpc.stage scopes and the [stages] globs of the parallel config (docs/pipeline.md)"
@@ -89,7 +90,7 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
         if free[i]:
             placed = [stage[r] for r in readers[i] if fwd[r] and stage[r] is not None]
             stage[i] = min(placed) if placed else None
-    _backward(nodes, role, preds, readers, stage, chunks)
+    place_backward(nodes, preds, readers, stage, chunks - 1)
     for i in range(len(nodes)):  # free forward ops that only backward reads
         if fwd[i] and stage[i] is None:
             stage[i] = next((stage[r] for r in readers[i] if stage[r] is not None), lo[i])
@@ -182,27 +183,6 @@ def _too_few_units(graph: Graph, units: list[list[int]]) -> None:
                        f"between ({shown}); the maximum pp is {len(units)}",
                        hint="pipeline stages are cut between layers (numbered modules such as h.3) and other "
                             "top-level modules, never inside one; use a smaller pp or a deeper model")
-
-
-def _backward(nodes, role, preds, readers, stage, chunks) -> None:
-    """Backward ops take the chunk of the forward ops on their source line, never above that
-    of the backward ops they read; ops without either go with their readers."""
-    by_loc: dict = {}
-    for i, n in enumerate(nodes):
-        if role[i] == Role.FORWARD and stage[i] is not None and n.loc is not None:
-            by_loc[n.loc] = max(by_loc.get(n.loc, 0), stage[i])
-    bwd = [r == Role.BACKWARD for r in role]
-    for i, n in enumerate(nodes):
-        if bwd[i]:
-            cands = [stage[p] for p in preds[i] if bwd[p] and stage[p] is not None]
-            if n.loc in by_loc:
-                cands.append(by_loc[n.loc])
-            stage[i] = min(cands, default=None)
-    for i in reversed(range(len(nodes))):
-        if bwd[i] and stage[i] is None:
-            later = [stage[r] for r in readers[i] if bwd[r] and stage[r] is not None]
-            inputs = [stage[p] for p in preds[i] if stage[p] is not None]
-            stage[i] = max(later) if later else max(inputs, default=chunks - 1)
 
 
 def check_stages(graph: Graph, num_chunks: int) -> None:

@@ -204,17 +204,18 @@ class Profile:
 
 
 def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -> Profile:
-    """Costs per group of a node -> group map. Backward ops without a group count with the
-    forward ops of their source line; optimizer ops with their parameter's first reader."""
+    """Costs per group of a node -> group map. Backward ops without a group count where the
+    pass places them (``place_backward``); optimizer ops with their parameter's first reader."""
     nodes, types = graph.nodes, graph.value_types()
     group = list(group)
-    by_loc: dict = {}
-    for i, nd in enumerate(nodes):
-        if nd.role == Role.FORWARD and group[i] is not None and nd.loc is not None:
-            by_loc[nd.loc] = max(by_loc.get(nd.loc, 0), group[i])
-    for i, nd in enumerate(nodes):
-        if group[i] is None and nd.role == Role.BACKWARD:
-            group[i] = by_loc.get(nd.loc)
+    producer = graph.producers()
+    preds = [sorted({producer[u] for u in nd.uses() if u in producer}) for nd in nodes]
+    readers: list[list[int]] = [[] for _ in nodes]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            readers[p].append(i)
+    # the pass's own rule, so each backward op is costed in the group it will run in
+    place_backward(nodes, preds, readers, group, n - 1)
     first = first_readers(graph, group)
     for i, owned in optimizer_owners(graph).items():
         if group[i] is None and owned:
@@ -254,6 +255,31 @@ def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -
         if p.value in first:
             prof.static[first[p.value]] += 2 * p.type.nbytes + states.get(p.name, 0)
     return prof
+
+
+def place_backward(nodes: list[Node], preds: list[list[int]], readers: list[list[int]], where: list[int | None],
+                   last: int) -> None:
+    """Fill ``where`` (a chunk or group per node, forward ops given) for the backward ops: the
+    least of the forward ops' on their source line and of the backward ops they read (gradients
+    flow to the same or an earlier chunk); ops with neither go with their backward readers,
+    else their inputs, else ``last``. The source line alone is not enough: autograd's sums of
+    a residual stream's gradient carry the loss's line, and would all land on the last chunk."""
+    by_loc: dict = {}
+    for i, n in enumerate(nodes):
+        if n.role == Role.FORWARD and where[i] is not None and n.loc is not None:
+            by_loc[n.loc] = max(by_loc.get(n.loc, 0), where[i])
+    bwd = [n.role == Role.BACKWARD for n in nodes]
+    for i, n in enumerate(nodes):
+        if bwd[i] and where[i] is None:
+            cands = [where[p] for p in preds[i] if bwd[p] and where[p] is not None]
+            if n.loc in by_loc:
+                cands.append(by_loc[n.loc])
+            where[i] = min(cands, default=None)
+    for i in reversed(range(len(nodes))):
+        if bwd[i] and where[i] is None:
+            later = [where[r] for r in readers[i] if bwd[r] and where[r] is not None]
+            inputs = [where[p] for p in preds[i] if where[p] is not None]
+            where[i] = max(later) if later else max(inputs, default=last)
 
 
 def first_readers(graph: Graph, group: list[int | None]) -> dict[str, int]:
