@@ -7,7 +7,7 @@ runtime again before any rank runs, so an edited plan fails in one line instead 
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from sbpc.errors import PlanError
 from sbpc.runtime.kinds import ISSUE, WAIT
@@ -48,8 +48,34 @@ def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashabl
 def check_plan(plan) -> None:
     """``check_issue_order`` of every stage program of ``plan``."""
     for prog in plan.stages:
-        check_issue_order([(i.op, i.outs, _refs(i.args) + _refs(list(i.kwargs.values())), (i.stage, i.role))
-                           for i in prog.instructions], one_task=plan.pipeline is None)
+        check_issue_order([(i.op, i.outs, uses(i), (i.stage, i.role)) for i in prog.instructions],
+                          one_task=plan.pipeline is None)
+
+
+def uses(ins) -> list[str]:
+    """The values a plan instruction reads, in its args and kwargs (lists included)."""
+    return _refs(ins.args) + _refs(list(ins.kwargs.values()))
+
+
+def waits(instructions) -> dict[str, object]:
+    """Work value of each ``sbpc.issue`` -> the ``sbpc.wait`` instruction that waits for it."""
+    return {uses(i)[0]: i for i in instructions if i.op == WAIT}
+
+
+def blocking(instructions) -> Iterator:
+    """The instructions with each issued collective (``sbpc.issue`` ... ``sbpc.wait``) as the
+    blocking call it stands for, at its issue: the collective's op, the wait's results."""
+    from sbpc.runtime.kinds import Collective
+
+    waited = waits(instructions)
+    for ins in instructions:
+        if ins.op == ISSUE:
+            w = waited[ins.outs[0]]
+            kwargs = {k: v for k, v in ins.kwargs.items() if k != "kind"}
+            yield ins.model_copy(update=dict(op=Collective(ins.kwargs["kind"]).op, kwargs=kwargs, outs=w.outs,
+                                             types=w.types))
+        elif ins.op != WAIT:
+            yield ins
 
 
 def _refs(args) -> list[str]:

@@ -85,7 +85,8 @@ def drop_collective(plan, pick, stage: int = 0):
     """``plan`` with the first collective that ``pick`` accepts replaced by a copy of its input,
     as if it were lost (each rank keeps its own part). An issued one loses its ``sbpc.issue``,
     and its ``sbpc.wait`` becomes the copy (freeing what the issue freed)."""
-    from sbpc.runtime.kinds import ISSUE, WAIT
+    from sbpc.runtime.kinds import ISSUE
+    from sbpc.runtime.overlap import waits
 
     program = plan.stages[stage]
     ins = list(program.instructions)
@@ -93,7 +94,8 @@ def drop_collective(plan, pick, stage: int = 0):
     copy = {"op": "aten.clone.default", "args": ins[k].args[:1], "kwargs": {}}
     if ins[k].op == ISSUE:
         work = ins[k].outs[0]
-        j = next(i for i, x in enumerate(ins) if x.op == WAIT and input_ref(x) == work)
+        wait = waits(ins)[work]
+        j = next(i for i, x in enumerate(ins) if x is wait)
         ins[j] = ins[j].model_copy(update={**copy, "free": ins[k].free + [f for f in ins[j].free if f != work]})
         del ins[k]
     else:

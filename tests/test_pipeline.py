@@ -138,6 +138,24 @@ def test_compile_writes_the_simulated_timeline(pp4_plan):
     assert names == {f"stage {d} (simulated)" for d in range(4)}
 
 
+def test_the_simulated_timeline_shows_issued_collectives_beside_compute(tmp_path):
+    """dp 2 x pp 2: the gradient buckets the overlap pass issues are on a ``comm dp`` row of
+    their stage, inside the slice of the task that issues and waits for them."""
+    path = tmp_path / "dp_pp.json"
+    r = sbpc("compile", "examples/gpt.py", "--mesh", "2x1x2", "--microbatches", "2", "-o", str(path),
+             "--trace", str(path.with_suffix(".sim.json")))
+    assert r.returncode == 0, r.stderr
+    events = json.loads(path.with_suffix(".sim.json").read_text())["traceEvents"]
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    slices = [e for e in events if e["ph"] == "X"]
+    comm = [e for e in slices if rows[(e["pid"], e["tid"])] == "comm dp"]
+    assert comm and {e["pid"] for e in comm} == {0, 1}
+    for e in comm:
+        task = e["name"].split()[-1]
+        owner = next(c for c in slices if c["pid"] == e["pid"] and c["name"] == task and rows[(c["pid"], c["tid"])] == "compute")
+        assert owner["ts"] <= e["ts"] and e["ts"] + e["dur"] <= owner["ts"] + owner["dur"] + 1e-3
+
+
 def test_run_trace_has_one_track_per_rank_and_a_slice_per_firing(pp4_plan, tmp_path):
     trace_path = tmp_path / "run.json"
     r = sbpc("run", str(pp4_plan), "--steps", "2", "--trace", str(trace_path), "--timeout", "60")

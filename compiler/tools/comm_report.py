@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from sbpc.runtime import plan as P
 from sbpc.compiler.ir.types import TensorType
-from sbpc.runtime.kinds import ISSUE, WAIT, Collective as Kind
+from sbpc.runtime.kinds import Collective as Kind
+from sbpc.runtime.overlap import blocking, uses
 from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.sbp import parse_nd_sbp
 
@@ -60,17 +61,9 @@ def collectives(plan: P.Plan) -> list[Collective]:
 
 
 def _calls(plan: P.Plan):
-    """The plan's instructions, an issued collective (``sbpc.issue`` ... ``sbpc.wait``) as the
-    blocking call it stands for, at its issue."""
+    """The plan's instructions, an issued collective as the blocking call it stands for."""
     for st in plan.stages:
-        waits = {i.args[0].ref: i for i in st.instructions if i.op == WAIT}
-        for ins in st.instructions:
-            if ins.op == ISSUE:
-                w = waits[ins.outs[0]]
-                kwargs = {k: v for k, v in ins.kwargs.items() if k != "kind"}
-                yield ins.model_copy(update=dict(op=Kind(ins.kwargs["kind"]).op, kwargs=kwargs, outs=w.outs, types=w.types))
-            elif ins.op != WAIT:
-                yield ins
+        yield from blocking(st.instructions)
 
 
 def summary(plan: P.Plan) -> str:
@@ -125,7 +118,7 @@ def explain(plan: P.Plan, name: str) -> str:
                          f"  made by {ins.op}" + (f" at {ins.loc}" if ins.loc else ""),
                          f"  because: {ins.why or 'not recorded'}"]
                 if ins.sbp_in:
-                    ins_refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
+                    ins_refs = uses(ins)
                     lines += [f"  it takes %{r} as [{', '.join(nd)}]" for r, nd in zip(ins_refs, ins.sbp_in)]
                 return "\n".join(lines + _consumers(plan, key))
     raise UsageError(f"no value or parameter named {name!r} in the plan",
@@ -135,23 +128,9 @@ def explain(plan: P.Plan, name: str) -> str:
 def _consumers(plan: P.Plan, value: str) -> list[str]:
     lines = []
     for st in plan.stages:
-        # an overlapped collective is its sbpc.issue, and its result is its sbpc.wait's
-        waits = {_refs(ins.args)[0].ref: ins for ins in st.instructions if ins.op == WAIT}
-        for ins in st.instructions:
-            refs = [a.ref for a in _refs(ins.args) + _refs(list(ins.kwargs.values()))]
-            kind = Kind(ins.kwargs["kind"]) if ins.op == ISSUE else Kind.of(ins.op)
-            result = waits[ins.outs[0]] if ins.op == ISSUE else ins
-            if value in refs and kind is not None and kind.single == kind:
-                lines.append(f"  boxed by {kind.op}(axis={ins.kwargs.get('axis')}) -> %{result.outs[0]} "
-                             f"[{', '.join(result.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
+        for ins in blocking(st.instructions):  # an overlapped collective as the call it stands for
+            kind = Kind.of(ins.op)
+            if value in uses(ins) and kind is not None and kind.single == kind:
+                lines.append(f"  boxed by {kind.op}(axis={ins.kwargs.get('axis')}) -> %{ins.outs[0]} "
+                             f"[{', '.join(ins.types[0].sbp)}]" + (f" for {ins.loc}" if ins.loc else ""))
     return lines
-
-
-def _refs(args) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, P.RefArg):
-            out.append(a)
-        elif isinstance(a, list):
-            out += _refs(a)
-    return out
