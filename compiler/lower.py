@@ -42,6 +42,10 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
                           sbp=dev(i.sbp or ()), why=i.why, memory=i.memory)
     split = lambda i: repr(i.sbp[mb]) if mb is not None and i.sbp else None
+    param_shape = {i.name: list(i.type.shape) for i in graph.inputs_of(InputKind.PARAM)}
+    # a state of its parameter's rank but another shape is ZeRO-padded (compiler/passes/zero.py)
+    unpadded = lambda i: {"unpadded": param_shape[i.state_of]} if i.state_of in param_shape and \
+        len(param_shape[i.state_of]) == len(i.type.shape) and param_shape[i.state_of] != list(i.type.shape) else {}
     return P.Plan(
         sbpc_version=__version__,
         model=model,
@@ -49,7 +53,8 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         stages=programs,
         params=[P.ParamSpec(**spec(i), grad=grad[i.name], update=update[i.name]) for i in graph.inputs_of(InputKind.PARAM)],
         buffers=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BUFFER)],
-        states=[P.StateSpec(**spec(i), update=update[i.name], **_state_init(i)) for i in graph.inputs_of(InputKind.STATE)],
+        states=[P.StateSpec(**spec(i), update=update[i.name], **_state_init(i), **unpadded(i))
+                for i in graph.inputs_of(InputKind.STATE)],
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
         init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),

@@ -21,7 +21,7 @@ from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
 from sbpc.runtime.runner import Firing, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
-from sbpc.runtime.sharding import take_chunk
+from sbpc.runtime.sharding import take_chunk, unpad
 
 
 def instruction_uses(ins: Instruction) -> list[str]:
@@ -241,7 +241,7 @@ class PipelineRunner(Runner):
         loss = self._loss(step_env)
         grads = self._collect({p.name: (step_env.get(p.grad), self._value_sbp(self.types.get(p.grad), fallback=p))
                                for p in plan.params if p.grad in self._made_here}) if keep_grads else {}
-        return StepResult(loss=loss, grads=grads or {})
+        return StepResult(loss=loss, grads=self._logical(grads or {}))
 
     def _loss(self, step_env) -> float:
         """The step's loss on every rank: gathered on its stage, broadcast from that stage's lead."""
@@ -279,7 +279,10 @@ class PipelineRunner(Runner):
         whose optimizer updates it. Every rank must call it."""
         mine = {s.name: (self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states
                 if s.name in self.states and s.update in self._made_here}
-        return self._collect(mine) or {}
+        return self._logical(self._collect(mine) or {})
+
+    def _logical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: unpad(t, self.logical_shape[n]) for n, t in tensors.items()}
 
     def replica_spread(self) -> dict[str, float]:
         """``Runner.replica_spread`` over the ranks of each stage, for what the stage updates, and

@@ -105,6 +105,10 @@ class StateSpec(TensorSpec):
     update: str
     init: Literal["zeros", "loss_scale", "param"] = "zeros"  # loss_scale: filled with precision.loss_scaling.init_scale
     copies: str | None = None  # init "param": the parameter whose value it starts as (an offloaded master copy)
+    # ZeRO on a dp that divides none of its parameter's dims (compiler/passes/zero.py): the state
+    # is its parameter's tensor zero-padded to ``shape``; this is the parameter's shape, what the
+    # runtime hands out (``logical_states``) and an init "param" copy is padded from. None: ``shape``
+    unpadded: list[int] | None = None
 
 
 class StageProgram(_Model):

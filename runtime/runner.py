@@ -28,7 +28,7 @@ from sbpc.runtime.overlap import check_plan as check_issue_order
 from sbpc.runtime.plan import Plan, TensorSpec
 from sbpc.runtime.rng import draws, replay
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
-from sbpc.runtime.sharding import combine, local_shard
+from sbpc.runtime.sharding import combine, local_shard, pad_to, unpad
 from sbpc.runtime.weights import init_weights
 
 
@@ -87,6 +87,10 @@ class Runner:
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
         self.spec_sbp = {s.name: self._nd(s.sbp) for s in specs}
         self._draws = draws([ins for prog in plan.stages for ins in prog.instructions])
+        # what leaves the runtime is logical: a ZeRO-padded state (and gradient) is cut back to
+        # its parameter's shape
+        self.logical_shape = {**{p.name: p.shape for p in plan.params},
+                              **{s.name: s.unpadded or s.shape for s in plan.states}}
 
     def _seed_step(self, rng_seed: int | None) -> None:
         """Seed torch's RNG as eager's step is seeded; a pipelined plan then replays the step's
@@ -106,7 +110,7 @@ class Runner:
 
         def state(s) -> torch.Tensor:
             if s.init == "param":  # a host copy of its parameter (optimizer offload), cut by its own SBP
-                return self._place(self._shard(tensors[s.copies], s), s)
+                return self._place(self._shard(pad_to(tensors[s.copies], s.shape), s), s)
             return self._place(torch.full(local_shape(s.shape, self.spec_sbp[s.name], self.sizes), fill(s),
                                           dtype=getattr(torch, s.dtype), device=dev), s)
 
@@ -153,7 +157,8 @@ class Runner:
         self.firings += [Firing(name, a, b, self.steps, f"comm {axis}") for name, axis, a, b in self.backend.take_flights()]
         self.steps += 1
         n = len(self.plan.params)
-        grads = {name: self.gather(g, self.grad_sbp[name]) for name, g in zip(self.params, rest[:n])} if keep_grads else {}
+        grads = {name: unpad(self.gather(g, self.grad_sbp[name]), self.logical_shape[name])
+                 for name, g in zip(self.params, rest[:n])} if keep_grads else {}
         self.params = dict(zip(self.params, rest[n:2 * n]))
         self.states = dict(zip(self.states, rest[2 * n:]))
         return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads)
@@ -181,7 +186,8 @@ class Runner:
     def logical_states(self) -> dict[str, torch.Tensor]:
         """Every optimizer state (the step counter included) as its logical tensor. A collective:
         every rank must call it."""
-        return {s.name: self._copy(self.states[s.name], self.spec_sbp[s.name]) for s in self.plan.states}
+        return {s.name: unpad(self._copy(self.states[s.name], self.spec_sbp[s.name]), self.logical_shape[s.name])
+                for s in self.plan.states}
 
     def replica_spread(self) -> dict[str, float]:
         """For each parameter and optimizer state, the largest elementwise difference between the

@@ -42,6 +42,23 @@ def shard_of(t: torch.Tensor, sbp: Sbp, index: int, size: int) -> torch.Tensor:
     return t
 
 
+def unpad(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` cut to ``shape`` from the start of each dim: the logical tensor of a ZeRO-padded
+    optimizer state or gradient (compiler/passes/zero.py pads at the end with zeros)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    return t[tuple(slice(0, n) for n in shape)]
+
+
+def pad_to(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` zero-padded at the end of each dim to ``shape`` (``unpad`` undoes it)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    out = t.new_zeros(tuple(shape))
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
 def local_shard(t: torch.Tensor, nd: NdSbp, coords: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
     """Device at ``coords`` (one index per SBP axis)'s shard of logical ``t``; axes apply in order."""
     for s, i, k in zip(nd, coords, sizes):

@@ -297,6 +297,42 @@ def test_zero_model_state_per_device(zero):
             {2: 4 * p + 12 * p // n, 3: 16 * p // n}[zero]
 
 
+# On dp = 3 the tiny GPT's tensors have no dim that divides but the fused qkv's 192 (hidden 64,
+# vocab 256, seq 32): ZeRO pads their update (compiler/passes/zero.py). The formulas hold with
+# P' for P in the sharded terms, P' the padded numel (each padded tensor gains under 3 rows),
+# and a padded parameter stays whole under ZeRO-3.
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_model_state_per_device_when_dp_divides_no_dim(zero):
+    from sbpc.compiler.memory_options import MemoryOptions
+
+    n = 3
+    result = _compile("gpt.py", f"{n}x1x1", {"preset": "tiny"}, batch=6, memory=MemoryOptions(zero=zero))
+    (role,) = result.plan.estimates.roles
+    p = result.plan.estimates.param_count
+    padded = {s.name.partition(":")[2]: s for s in result.plan.states if s.name.startswith("exp_avg:")}
+    p_pad = sum(_numel(s.shape) for s in padded.values())
+    assert sum(s.unpadded is not None for s in padded.values()) == len(padded) - 2 * 2  # all but qkv's (2 layers)
+    assert p < p_pad < p * 1.05
+    # 8P'/N of state: at most the ceil-padded share, and less than the unsharded 8P
+    assert role.optimizer_bytes - STEP_COUNTER == 8 * p_pad // n < 8 * p
+    split = sum(_numel(q.shape) for q in result.plan.params if q.sbp[0] != "B")  # the qkv weights and biases
+    assert role.param_bytes == (4 * split // n + 4 * (p - split) if zero == 3 else 4 * p)
+    if zero == 1:
+        assert 4 * p_pad // n <= role.grad_bytes < 4 * p
+    else:
+        assert role.grad_bytes == 4 * p_pad // n
+        # 4P + 12P'/N (stage 2); stage 3 splits what dp divides: 16P'/N over those, 4P over the rest
+        assert role.param_bytes + role.grad_bytes + role.optimizer_bytes - STEP_COUNTER == \
+            (4 * p if zero == 2 else 4 * (p - split) + 4 * split // n) + 12 * p_pad // n
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
 # ----- against a real run (bench/memory_vs_estimate.py does this on many meshes)
 def test_a_shard_owns_its_storage():
     """A rank's shard of a parameter split on dim 0 is a chunk of the logical tensor: held as a

@@ -37,23 +37,38 @@ def test_zero3_with_tensor_and_sequence_parallel_parity():
     assert re.search(r"largest deviation .*: PASS", r.stdout), r.stdout
 
 
+# dp = 3 divides none of the dims of the tiny GPT's tensors but the fused qkv's 192 (hidden 64,
+# vocab 256, seq 32): ZeRO pads them (zero.py). With Megatron's hints on 3x2x1 the qkv weight's
+# dim 0 is tp's, so it is padded on dim 1 too.
+# (stage 2 lies between 1 and 3: 3x1x1 runs it, and the suite stays fast)
+@pytest.mark.parametrize("zero,mesh,config", [(1, "3x1x1", None), (2, "3x1x1", None), (3, "3x1x1", None),
+                                              (1, "3x2x1", "examples/gpt.megatron.toml"),
+                                              (3, "3x2x1", "examples/gpt.megatron.toml")])
+def test_zero_parity_when_dp_divides_no_dim(zero, mesh, config):
+    extra = ("--config", config) if config else ()
+    r = sbpc_check("examples/gpt.py", *extra, "--zero", str(zero), "--mesh", mesh, "--steps", "2", ranks="threads",
+                   timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"largest deviation .*: PASS", r.stdout), r.stdout
+
+
 # ----- collectives and estimates, from compiles only. Data parallelism pays when tokens
 # outnumber the hidden size (test_parallel.py): 2048 tokens, hidden 256.
 SETS = dict(hidden=256, heads=4, vocab=256, seq=128)
-BATCH = 16
+BATCH = {"2x1": 16, "4x1": 16, "3x1": 12}
 
 
 @pytest.fixture(scope="module")
 def captured():
     """One capture per mesh serves every ZeRO stage."""
     src = load_model("examples/gpt.py", SETS)
-    graphs = {m: capture(src, parse_mesh(m), BATCH, OptimizerConfig()) for m in ("2x1", "4x1")}
+    graphs = {m: capture(src, parse_mesh(m), b, OptimizerConfig()) for m, b in BATCH.items()}
     return src, graphs
 
 
 def _plan(captured, mesh: str, zero: int, passes=None):
     src, graphs = captured
-    return compile_captured(graphs[mesh], src, batch_size=BATCH, optimizer=OptimizerConfig(), passes=passes,
+    return compile_captured(graphs[mesh], src, batch_size=BATCH[mesh], optimizer=OptimizerConfig(), passes=passes,
                             memory=MemoryOptions(zero=zero)).plan
 
 
@@ -147,3 +162,64 @@ def test_model_state_bytes_shrink_as_zero_says(captured, mesh, n):
     e = est[1]
     assert e.param_bytes == 4 * P and e.optimizer_state_bytes == 8 * P // n + step
     assert 4 * P // n <= e.grad_bytes <= 4 * P
+
+
+# ----- dp = 3: hidden 256 and vocab 256 have no factor 3 (the fused qkv's 768 has), so most
+# tensors' update runs padded (zero.py): each state is its parameter zero-padded along one dim to
+# a multiple of 3, split S(d) there; the plan says its unpadded (logical) shape
+def _padded(plan) -> dict[str, list[int]]:
+    """Parameter name -> the shape its update runs on (its exp_avg's)."""
+    return {s.name.partition(":")[2]: s.shape for s in plan.states if s.name.startswith("exp_avg:")}
+
+
+def test_zero_pads_the_state_of_tensors_dp_divides_nowhere(captured):
+    plan = _plan(captured, "3x1", 1)
+    params = {p.name: p for p in plan.params}
+    padded = _padded(plan)
+    assert set(padded) == set(params)
+    cut = [n for n in params if padded[n] != params[n].shape]
+    assert len(cut) > len(params) // 2, cut  # all but the fused qkv's weights and biases
+    for s in plan.states:
+        if s.name == "step":
+            continue
+        p = params[s.name.partition(":")[2]]
+        d = int(re.fullmatch(r"S\((\d+)\)", s.sbp[0]).group(1))  # split over dp, never left whole
+        assert s.shape[d] % 3 == 0 and s.shape[d] - 3 < p.shape[d] <= s.shape[d], (s.name, s.shape, p.shape)
+        assert [a for a, b in zip(s.shape, p.shape) if a != b] in ([], [s.shape[d]])
+        assert s.unpadded == (p.shape if s.shape != p.shape else None), s.name
+    # the parameter itself stays whole (B on dp) and unpadded, and so does its update output
+    assert all(p.sbp[0] == "B" for p in plan.params)
+
+
+def test_zero2_padded_gradients_one_reduce_scatter_and_one_all_gather_per_bucket(captured):
+    plan = _plan(captured, "3x1", 2)
+    cs = [c for c in collectives(plan) if c.moves_data]
+    padded = Counter(4 * _numel(shape) for shape in _padded(plan).values())
+    # every gradient is reduce-scattered once, from its whole (padded) partial value ...
+    rs = [c for c in cs if c.kind == "reduce_scatter"]
+    assert {c.role for c in rs} == {"bwd"} and Counter(c.nbytes for c in rs) == padded
+    assert not [c for c in cs if c.kind == "all_reduce" and c.role in ("bwd", "opt")]
+    # ... every updated (padded) shard all-gathered once, and the cut to the parameter is local
+    ag = [c for c in cs if c.kind == "all_gather" and c.role == "opt"]
+    assert Counter(c.nbytes for c in ag) == Counter({n // 3: k for n, k in padded.items()})
+    # bucketed: as many calls of each as there are buckets (DDP's first small one, then 25 MB)
+    assert len({c.call for c in rs}) == len({c.call for c in ag}) == 2
+
+
+# Per device, fp32 AdamW: P' = the padded update's numel (P plus under 3 rows per padded tensor)
+#   stage 1: 8P'/N of state       stage 2: + 4P'/N of gradient
+#   stage 3: + each parameter that dp divides split (4/N), the padded ones whole
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_padded_model_state_bytes(captured, zero):
+    plan = _plan(captured, "3x1", zero)
+    e, n, step = plan.estimates, 3, 8
+    P = e.param_count
+    padded = sum(_numel(shape) for shape in _padded(plan).values())
+    assert P < padded < P * 1.01
+    assert e.optimizer_state_bytes - step == 8 * padded // n < 8 * P
+    if zero >= 2:
+        assert e.grad_bytes == 4 * padded // n
+    else:
+        assert 4 * padded // n <= e.grad_bytes <= 4 * P
+    split = sum(_numel(p.shape) for p in plan.params if p.sbp[0] != "B")
+    assert e.param_bytes == (4 * split // n + 4 * (P - split) if zero == 3 else 4 * P)

@@ -18,7 +18,29 @@ layout choice uses (hints, which pin a value's SBP on an axis):
   recomputed in the backward, so no gathered weight lives from the forward to the backward.
 
 ``d`` is the first dim that no other axis splits and whose size divides by dp (dim 0 when it
-can be); a tensor with no such dim stays as it is (``B`` on dp), named in its ``why``.
+can be).
+
+A parameter with no such dim (dp = 6 and hidden 25600 = 2^10 * 25) is padded, as Megatron's
+distributed optimizer and DeepSpeed pad their flat buffer: its largest dim that no other axis
+splits, of size ``n``, becomes ``n'``, the next multiple of dp, in the logical graph of its
+update. Its gradient is zero-padded where the backward makes it (``aten.slice_backward``: the
+gradient of a slice, zeros elsewhere, linear, so a partial gradient pads as partial), the
+optimizer reads the parameter zero-padded the same way, its optimizer states *are* the padded
+tensors (their graph inputs have the padded shape), and the update ops run on padded values;
+the new parameter is cut back to ``n`` (``aten.slice``) before it becomes the update output.
+Zero rows stay zero through AdamW and SGD (gradient 0, parameter 0, moments 0: update 0, and
+weight decay of 0 is 0), and they add nothing to a sum over gradients (fp16's overflow check).
+The ``S(d)`` hints above then apply to the padded tensors: the padded gradient ``P -> S(d)`` is a
+reduce-scatter, each device updates ``n'/dp`` rows, and the cut all-gathers the new parameter.
+
+So a padded state's logical tensor is its parameter's shape with zero rows at the end of ``d``:
+the plan's state spec says the padded shape, the runtime starts it at zeros (an offloaded master
+copy as its parameter, zero-padded), and what leaves the runtime (``logical_states``, the step's
+gradients, `sbpc check`) is cut back to the parameter's shape. The parameter itself is never
+padded: under ZeRO-3 a padded parameter stays whole on dp (its gradient and state are split,
+stage 2), since a padded parameter input would change its logical shape for the model, the
+initialiser and saved weights. A tensor with no dim to pad (a scalar, or every dim split by
+another axis) stays as it is (``B`` on dp).
 """
 from __future__ import annotations
 
@@ -28,7 +50,8 @@ from typing import ClassVar
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.frontend.hints import Hint
 from sbpc.compiler.ir.aten import returns_alias
-from sbpc.compiler.ir.types import FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, rename_uses
+from sbpc.compiler.ir.types import (FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, TensorType,
+                                    rename_uses)
 from sbpc.compiler.memory_options import ZERO_STAGES
 from sbpc.compiler.pass_manager import Fact
 from sbpc.errors import UsageError
@@ -74,6 +97,28 @@ def zero_dim(shape: tuple[int, ...], taken: set[int], dp: int) -> int | None:
     return next((d for d, n in enumerate(shape) if d not in taken and n % dp == 0 and n >= dp), None)
 
 
+@dataclass(frozen=True)
+class Pad:
+    """A parameter's update padded along ``dim`` from ``size`` to ``padded`` (a multiple of dp)."""
+    dim: int
+    size: int
+    padded: int
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[:self.dim] + (self.padded,) + shape[self.dim + 1:]
+
+
+def pad_dim(shape: tuple[int, ...], taken: set[int], dp: int) -> Pad | None:
+    """For a tensor ``zero_dim`` finds no dim of: its largest dim not in ``taken`` (the first of
+    equal ones: the least padding), padded to a multiple of dp; None when that leaves each device
+    as much as the whole dim (size 1) or no dim is free."""
+    free = [d for d in range(len(shape)) if d not in taken and shape[d] > 1]
+    if not free:
+        return None
+    d = max(free, key=lambda i: (shape[i], -i))
+    return Pad(d, shape[d], -(-shape[d] // dp) * dp)
+
+
 class _Rewrite:
     def __init__(self, graph: Graph, stage: int, dp: int):
         self.g, self.stage, self.dp = graph, stage, dp
@@ -81,14 +126,23 @@ class _Rewrite:
         self.fresh = FreshNames(set(graph.value_types()) | {i.value for i in graph.inputs})
         self.param_hint = {n.args[0].name: n for n in graph.nodes if n.op == HINT_OP}
 
-    def _split(self, p: GraphInput) -> int | None:
-        """The dp dim of parameter ``p``'s shards (and of its state and gradient)."""
+    def _taken(self, p: GraphInput) -> set[int] | None:
+        """The dims of parameter ``p`` that other axes split (its hint); None when the user
+        placed it on dp."""
         hint = self.param_hint.get(p.value)
         axes = hint_of(hint).axes if hint is not None else ()
         if any(a == AXIS for a, _ in axes):
-            return None  # the user placed it on dp
-        taken = {s.dim for _, s in axes if isinstance(s, Split)}
-        return zero_dim(p.type.shape, taken, self.dp)
+            return None
+        return {s.dim for _, s in axes if isinstance(s, Split)}
+
+    def _split(self, p: GraphInput) -> int | None:
+        """The dp dim of parameter ``p``'s shards (and of its state and gradient), unpadded."""
+        taken = self._taken(p)
+        return None if taken is None else zero_dim(p.type.shape, taken, self.dp)
+
+    def _pad(self, p: GraphInput) -> Pad | None:
+        taken = self._taken(p)
+        return None if taken is None else pad_dim(p.type.shape, taken, self.dp)
 
     def _hint(self, value: str, out: str, t, role: Role, loc, dp: Sbp, per_microbatch: bool = False) -> Node:
         # a gradient stays partial over micro-batches where it is pinned: each micro-batch's
@@ -98,9 +152,16 @@ class _Rewrite:
         return Node([out], HINT_OP, (Ref(value), spec, self.source), {}, [t], role, loc=loc)
 
     def run(self) -> Graph:
+        params = {p.name: p for p in self.g.inputs_of(InputKind.PARAM)}
+        dims = {name: self._split(p) for name, p in params.items()}  # the parameter's own dp dim (stage 3)
+        pads = {name: pad for name, p in params.items() if dims[name] is None and (pad := self._pad(p)) is not None}
+        if pads:
+            self.g = _PadUpdates(self.g, params, pads, self.fresh).run()
         g = self.g
-        params = {p.name: p for p in g.inputs_of(InputKind.PARAM)}
-        dims = {name: self._split(p) for name, p in params.items()}
+        # the dp dim of the state and gradient: the parameter's, or the padded one
+        state_dims = dims | {name: pad.dim for name, pad in pads.items()}
+        state_shape = {name: pads[name].shape(p.type.shape) if name in pads else p.type.shape
+                       for name, p in params.items()}
         first_loc = self._first_locs()
         front: list[Node] = []  # hints on inputs, first in the graph
         renames: dict[str, str] = {}
@@ -127,9 +188,8 @@ class _Rewrite:
                 gather[shard] = self._hint(shard, self.fresh(f"{p.value}_gathered"), p.type, Role.FORWARD,
                                            first_loc.get(p.value), Broadcast())
         for s in g.inputs_of(InputKind.STATE):
-            p = params.get(s.state_of)
-            d = dims.get(s.state_of)
-            if p is None or d is None or s.type.shape != p.type.shape:
+            d = state_dims.get(s.state_of)
+            if d is None or s.type.shape != state_shape[s.state_of]:
                 continue
             h = self.fresh(f"{s.value}_zero")
             front.append(self._hint(s.value, h, s.type, Role.OPTIMIZER, first_loc.get(s.value), Split(d)))
@@ -146,7 +206,7 @@ class _Rewrite:
             nodes = out
         outputs = list(g.outputs)
         if self.stage >= 2:
-            nodes, outputs = self._pin_gradients(nodes, outputs, params, dims)
+            nodes, outputs = self._pin_gradients(nodes, outputs, state_dims)
         if self.stage >= 3:
             nodes = _recompute_param_values(nodes, {p.value for p in params.values()}, self.fresh)
         return replace(g, nodes=nodes, outputs=outputs)
@@ -158,7 +218,7 @@ class _Rewrite:
                 out.setdefault(u, n.loc)
         return out
 
-    def _pin_gradients(self, nodes: list[Node], outputs, params, dims):
+    def _pin_gradients(self, nodes: list[Node], outputs, dims):
         """A hint right after each gradient's producer; the optimizer and the step's gradient
         output read the pinned value."""
         grads = {o.value: o.name for o in outputs if o.kind == OutputKind.GRAD and dims.get(o.name) is not None}
@@ -174,6 +234,85 @@ class _Rewrite:
                     out.append(self._hint(o, pinned[o], t, Role.BACKWARD, n.loc, Split(dims[grads[o]]), per_microbatch=True))
         outputs = [replace(o, value=pinned.get(o.value, o.value)) if o.kind == OutputKind.GRAD else o for o in outputs]
         return out, outputs
+
+
+class _PadUpdates:
+    """Each padded parameter's update on padded tensors (the module's docstring): its state
+    inputs take the padded shape, the gradient is padded after the op that makes it, the
+    optimizer reads the parameter padded, every optimizer value computed from these takes the
+    padded shape, and the new parameter is cut back before it becomes the update output."""
+
+    def __init__(self, graph: Graph, params: dict[str, GraphInput], pads: dict[str, Pad], fresh: FreshNames):
+        self.g, self.params, self.pads, self.fresh = graph, params, pads, fresh
+        grads = {o.name: o.value for o in graph.outputs if o.kind == OutputKind.GRAD}
+        # values the optimizer must read padded -> their parameter's name: the parameter, its gradient
+        self.pending = {params[name].value: name for name in pads} | {grads[name]: name for name in pads if name in grads}
+        self.padded: dict[str, str] = {}  # such a value -> its padded copy
+        self.owner: dict[str, str] = {}  # a value of a padded update -> its parameter's name
+
+    def _padded_type(self, name: str, t: TensorType) -> TensorType:
+        return TensorType(self.pads[name].shape(t.shape), t.dtype)
+
+    def _pad(self, value: str, t: TensorType, like: Node) -> Node:
+        """``value`` zero-padded: the gradient of its slice, placed and located like ``like``."""
+        name, pad = self.pending[value], self.pads[self.pending[value]]
+        out = self.padded[value] = self.fresh(f"{value}_pad")
+        self.owner[out] = name
+        padded = self._padded_type(name, t)
+        return Node([out], "aten.slice_backward.default", (Ref(value), list(padded.shape), pad.dim, 0, pad.size, 1),
+                    {}, [padded], like.role, loc=like.loc, memory=like.memory)
+
+    def _retype(self, n: Node) -> Node:
+        """An optimizer op reading a padded update's values computes padded values of that
+        parameter's shape (the update math names no shape: optim.py); scalars stay."""
+        owners = {self.owner[u] for u in n.uses() if u in self.owner}
+        if not owners:
+            return n
+        types = []
+        for o, t in zip(n.outputs, n.types):
+            name = next((q for q in sorted(owners) if t.shape == self.params[q].type.shape), None)
+            if name is not None:
+                t = self._padded_type(name, t)
+                self.owner[o] = name
+            types.append(t)
+        return replace(n, types=types)
+
+    def run(self) -> Graph:
+        g, params, pads = self.g, self.params, self.pads
+        inputs = []
+        for i in g.inputs:
+            name = i.state_of
+            if i.kind == InputKind.STATE and name in pads and i.type.shape == params[name].type.shape:
+                i = replace(i, type=self._padded_type(name, i.type))
+                self.owner[i.value] = name
+            inputs.append(i)
+        new_param = {o.value: o.name for o in g.outputs if o.kind == OutputKind.UPDATE and o.name in pads}
+        cut: dict[str, str] = {}  # a padded new parameter -> its cut
+        types = g.value_types()
+        nodes: list[Node] = []
+        for n in g.nodes:
+            if n.role == Role.OPTIMIZER:  # the parameter (and a gradient no op makes) padded before its first read
+                nodes.extend(self._pad(u, types[u], n) for u in dict.fromkeys(n.uses())
+                             if u in self.pending and u not in self.padded)
+                n = self._retype(rename_uses(n, lambda v: self.padded.get(v, v)))
+            nodes.append(n)
+            for o, t in zip(n.outputs, n.types):
+                if o in self.pending and o not in self.padded:  # a gradient: padded where it is made
+                    nodes.append(self._pad(o, t, n))
+                if o in new_param and self.owner.get(o) == new_param[o]:
+                    pad = pads[new_param[o]]
+                    cut[o] = self.fresh(f"{o}_cut")
+                    nodes.append(Node([cut[o]], "aten.slice.Tensor", (Ref(o), pad.dim, 0, pad.size, 1), {},
+                                      [TensorType(params[new_param[o]].type.shape, t.dtype)], n.role, loc=n.loc,
+                                      memory=n.memory))
+        outputs = []
+        for o in g.outputs:
+            if o.kind == OutputKind.GRAD and o.name in pads:
+                o = replace(o, value=self.padded.get(o.value, o.value))
+            elif o.kind == OutputKind.UPDATE and o.name in pads:
+                o = replace(o, value=cut.get(o.value, o.value))
+            outputs.append(o)
+        return replace(g, inputs=inputs, nodes=nodes, outputs=outputs)
 
 
 def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNames,

@@ -41,7 +41,7 @@ class Solver:
         for i in g.inputs:
             param = by_name.get(i.state_of)
             if param is not None:
-                same = param.type.shape == i.type.shape
+                same = _follows(i.type.shape, param.type.shape, st.sbp[param.value])
                 st.sbp[i.value] = st.sbp[param.value] if same else self._bcast()
                 st.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
                 if same and i.value in hinted:  # ZeRO: split on dp (compiler/passes/zero.py)
@@ -323,3 +323,11 @@ def _same_kind(a, b) -> bool:
     if isinstance(a, Split) and isinstance(b, Split):
         return a.dim == b.dim
     return a == b
+
+
+def _follows(state: tuple[int, ...], param: tuple[int, ...], nd: NdSbp) -> bool:
+    """Whether an optimizer state can take its parameter's layout ``nd``: its shape, or (ZeRO on a
+    dp that divides none of its dims: compiler/passes/zero.py) its shape padded along a dim no
+    axis splits."""
+    split = {s.dim for s in nd if isinstance(s, Split)}
+    return len(state) == len(param) and all(a == b or d not in split for d, (a, b) in enumerate(zip(state, param)))
