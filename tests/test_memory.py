@@ -56,9 +56,17 @@ def _bucketed_non_gradients(result) -> int:
     so the plan keeps these bytes on top of ZeRO's 4 per parameter."""
     from sbpc.runtime.kinds import ISSUE, WAIT, Collective
 
+    from sbpc.compiler.ir.aten import shares_storage
+
     graph = result.graph
-    root = Storages(graph).root  # a gradient may be a view (a transpose) of its bucket piece
-    grads = {root[o.value] for o in graph.outputs_of(OutputKind.GRAD)}
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+
+    def piece(v: str) -> str:  # a gradient may be a view (a transpose) of its bucket piece
+        while v in producer and shares_storage(producer[v].op):
+            v = next(iter(producer[v].uses()))
+        return v
+
+    grads = {piece(o.value) for o in graph.outputs_of(OutputKind.GRAD)}
     sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
     issued = {n.outputs[0]: n.kwargs.get("kind") for n in graph.nodes if n.op == ISSUE}  # overlap's halves
     bucket = Collective.ALL_REDUCE_COALESCED

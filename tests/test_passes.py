@@ -89,8 +89,8 @@ def test_print_after_and_dump_dir(tmp_path):
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-offload.sbpir", "06-zero.sbpir", "07-stage-partition.sbpir", "08-sbp-propagate.sbpir",
                      "09-boxing.sbpir", "10-coalesce.sbpir", "11-recompute.sbpir", "12-localize.sbpir",
-                     "13-random-draws.sbpir", "14-schedule.sbpir", "15-inplace.sbpir", "16-memory-plan.sbpir",
-                     "17-overlap.sbpir"]
+                     "13-random-draws.sbpir", "14-schedule.sbpir", "15-inplace.sbpir", "16-overlap.sbpir",
+                     "17-memory-plan.sbpir"]
     assert "stage=0" in (tmp_path / "07-stage-partition.sbpir").read_text()
 
 

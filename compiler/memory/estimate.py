@@ -34,13 +34,17 @@ from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import overwritten, returns_alias, shares_storage
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
-from sbpc.runtime.kinds import Collective, MemoryKind
+from sbpc.runtime.kinds import ISSUE, WAIT, Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
 from sbpc.runtime.plan import RoleMemory
 
 # buckets whose results are pieces (views) of one flat tensor (runtime/collectives.py)
 _FLAT_RESULT = frozenset({Collective.ALL_REDUCE_COALESCED.op, Collective.REDUCE_SCATTER_COALESCED.op})
-_PLUMBING = frozenset({ACCUMULATE, TRANSFER, "aten.cat.default", "aten.view.default", "aten._unsafe_view.default"})
+_PLUMBING = frozenset({ACCUMULATE, TRANSFER, ISSUE, WAIT, "aten.cat.default", "aten.view.default",
+                       "aten._unsafe_view.default"})
+# issued kinds whose result buffer is made at the issue (all-gathers receive into buffers of their own)
+_RESULT_AT_ISSUE = frozenset({Collective.ALL_REDUCE, Collective.ALL_REDUCE_COALESCED, Collective.REDUCE_SCATTER,
+                              Collective.REDUCE_SCATTER_COALESCED})
 
 
 class Term(enum.Enum):
@@ -81,9 +85,14 @@ class Storages:
                     InputKind.BATCH: Term.ACTIVATIONS}[i.kind]
             self.root[i.value] = i.value
             self.store[i.value] = _Storage(i.type.local_nbytes(i.sbp, sizes) if i.memory == memory else 0, term, term)
+        wait_of = {n.args[0].name: n for n in graph.nodes if n.op == WAIT}
+        flying: set[str] = set()  # works whose results are allocated at their issue
         for n in graph.nodes:
             sbps = n.sbp or [None] * len(n.outputs)
             firsts = [u for u in n.uses()]
+            if n.op in (ISSUE, WAIT):
+                self._overlapped(n, wait_of, flying, value_bytes, grads, graph.mesh, memory)
+                continue
             over = overwritten(n)  # in place: each result is the storage it overwrote
             if over and len(over) == len(n.outputs) and all(v in self.root for v in over):
                 for o, v in zip(n.outputs, over):
@@ -94,7 +103,7 @@ class Storages:
                     self.root[o] = self.root[firsts[0]]
                 continue
             nbytes = [t.local_nbytes(nd, sizes) if n.memory == memory else 0 for t, nd in zip(n.types, sbps)]
-            staged = _staging(n, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
+            staged = _staging(Collective.of(n.op), n.kwargs, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
             if staged and n.memory == memory:
                 self.staging[id(n)] = staged
             if n.op in _FLAT_RESULT and n.outputs:  # pieces of one flat bucket
@@ -105,6 +114,37 @@ class Storages:
             for o, b in zip(n.outputs, nbytes):
                 self.root[o] = o
                 self.store[o] = _Storage(b, updates[o], updates[o]) if o in updates else _Storage(b, *_terms(n, o, grads))
+
+    def _overlapped(self, n: Node, wait_of: dict[str, Node], flying: set[str], value_bytes: dict[str, int],
+                    grads: set[str], mesh, memory: MemoryKind) -> None:
+        """An issued collective's buffers, as the runtime holds them (runtime/collectives.py,
+        runtime/dist.py): an all-reduce or reduce-scatter writes its result into a buffer made at
+        the issue (the work's storage, which the wait's results then are, a bucket's pieces
+        included), the bucket's flat copy only while it is issued; an all-gather receives into
+        buffers made at the issue and held until the wait, which joins them into its results."""
+        if n.op == WAIT:
+            work = n.args[0].name
+            if work in flying:
+                for o in n.outputs:
+                    self.root[o] = work
+                return
+            for o in n.outputs:  # joined at the wait: storages of their own
+                self.root[o] = o
+                b = value_bytes[o] if n.memory == memory else 0
+                self.store[o] = _Storage(b, *_terms(n, o, grads))
+            return
+        kind, work, w = Collective(n.kwargs["kind"]), n.outputs[0], wait_of[n.outputs[0]]
+        on = n.memory == memory
+        ins, outs = [value_bytes.get(u, 0) for u in n.uses()], [value_bytes[o] for o in w.outputs]
+        staged = _staging(kind, n.kwargs, ins, outs, mesh) if on else 0
+        self.root[work] = work
+        if kind in _RESULT_AT_ISSUE:
+            flying.add(work)
+            self.store[work] = _Storage(sum(outs) if on else 0, *_terms(w, w.outputs[0], grads))
+            if staged:
+                self.staging[id(n)] = staged
+        else:
+            self.store[work] = _Storage(staged, Term.BUFFERS, Term.BUFFERS)
 
     def nbytes(self, roots) -> int:
         return sum(self.store[r].nbytes for r in roots)
@@ -117,12 +157,11 @@ class Storages:
         return out
 
 
-def _staging(n: Node, in_bytes: list[int], out_bytes: list[int], mesh) -> int:
+def _staging(kind: Collective | None, kwargs: dict, in_bytes: list[int], out_bytes: list[int], mesh) -> int:
     """Bytes a collective's kernel allocates besides its result, while it runs (runtime/collectives.py
     over gloo, runtime/dist.py): a bucket's flat copy, the received pieces of an all-gather, the
     contiguous copies of a reduce-scatter or all-to-all that does not cut dim 0."""
-    kind = Collective.of(n.op)
-    axis = n.kwargs.get("axis")
+    axis = kwargs.get("axis")
     if kind is None or (isinstance(axis, str) and mesh.size(axis) <= 1):
         return 0
     first = in_bytes[0] if in_bytes else 0
@@ -133,7 +172,7 @@ def _staging(n: Node, in_bytes: list[int], out_bytes: list[int], mesh) -> int:
     if kind == Collective.ALL_GATHER_COALESCED:  # the flat shards, and the gathered flat buffer
         return sum(in_bytes) + sum(out_bytes)
     if kind == Collective.REDUCE_SCATTER:
-        return first if n.kwargs.get("dim", 0) != 0 or n.kwargs.get("parts", 1) > 1 else 0
+        return first if kwargs.get("dim", 0) != 0 or kwargs.get("parts", 1) > 1 else 0
     if kind == Collective.ALL_TO_ALL:
         return 2 * first
     return 0
@@ -143,7 +182,7 @@ def _terms(n: Node, value: str, grads: set[str]) -> tuple[Term, Term]:
     if value in grads:
         return Term.GRADS, Term.GRADS
     held = Term.ACTIVATIONS if n.role in (Role.FORWARD, Role.PRE) else Term.TEMPORARIES
-    if Collective.of(n.op) is not None or n.op == TRANSFER:
+    if Collective.of(n.op) is not None or n.op in (TRANSFER, ISSUE, WAIT):
         return Term.BUFFERS, held
     return held, held
 
@@ -404,7 +443,7 @@ def saved_for_backward(graph: Graph, depth: int = 2) -> dict[str, int]:
 
     def module(i: int) -> str | None:
         n = nodes[i]
-        while Collective.of(n.op) is not None and users.get(n.outputs[0]):
+        while (Collective.of(n.op) is not None or n.op in (ISSUE, WAIT)) and users.get(n.outputs[0]):
             n = nodes[users[n.outputs[0]][0]]
         return n.loc.module if n.loc else None
 

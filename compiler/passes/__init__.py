@@ -43,11 +43,13 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     like the rest of the optimizer state. ``memory_price``: the propagation's price of a byte kept
     for the backward, in link-moves of it (``AlphaBeta.priced``; the driver raises it under a
     budget). Recompute runs on the boxed graph (its clones
-    copy SBPs and collectives) before localize and schedule (which treat clones as any op)."""
+    copy SBPs and collectives) before localize and schedule (which treat clones as any op). The
+    memory plan comes last: the estimate is of the program that runs, its collectives' buffers
+    held from issue to wait."""
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
             SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
             Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
-            InPlace(), MemoryPlan(), Overlap()]
+            InPlace(), Overlap(), MemoryPlan()]
