@@ -78,8 +78,34 @@ def test_a_wait_moved_before_its_issue_is_a_deadlock_error_at_load(plan):
 
 
 def test_an_issue_never_waited_for_is_refused(plan):
-    ins = [i for i in _program(plan) if not (i.op == WAIT and i.args[0].ref.startswith("getitem"))]
+    ins = [i for i in _program(plan) if not (i.op == WAIT and i.args[0].ref.endswith("_kept_all_gather_work"))]
     assert len(ins) == len(_program(plan)) - 1  # the token mask's gather
     broken = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"instructions": ins})]})
     with pytest.raises(OrderError, match="is never waited for"):
         check_plan(broken)
+
+
+def test_the_token_count_is_gathered_while_the_forward_runs(plan):
+    # the global-mean loss needs every rank's target mask: computed from the batch alone, so its
+    # gather is issued before the first layer and waited for only where the loss divides by it
+    ins = _program(plan)
+    k = next(k for k, i in enumerate(ins) if i.op == ISSUE and i.kwargs["kind"] == "all_gather")
+    w = next(j for j, i in enumerate(ins) if i.op == WAIT and i.args[0].ref == ins[k].outs[0])
+    matmuls = [j for j, i in enumerate(ins) if i.role == "fwd" and i.op in ("aten.addmm.default", "aten.mm.default")]
+    assert k < 3 and all(ins[j].op != "aten.embedding.default" for j in range(k)), [i.op for i in ins[:k + 1]]
+    assert len(matmuls) > 8 and max(matmuls) < w
+
+
+def test_the_loss_is_reduced_under_the_backward_and_update(plan):
+    # the dp loss leaves the step reduced: issued where the forward ends, waited for last, so
+    # the runner does not stop every rank for a blocking all-reduce after the update
+    ins = _program(plan)
+    loss = plan.stages[0].loss
+    w = next(j for j, i in enumerate(ins) if loss in i.outs)
+    assert ins[w].op == WAIT and w == len(ins) - 1
+    k = next(k for k, i in enumerate(ins) if i.op == ISSUE and i.outs[0] == ins[w].args[0].ref)
+    first_bwd = next(j for j, i in enumerate(ins) if i.role == "bwd")
+    assert ins[k].kwargs["kind"] == "all_reduce" and k < first_bwd
+    # only the step's output reads the reduced loss: the backward starts from the partial one
+    assert not any(loss in {a.ref for a in _refs(i.args)} for i in ins)
+    assert ins[w].types[0].sbp and not any("P" in s for s in ins[w].types[0].sbp), ins[w].types[0]

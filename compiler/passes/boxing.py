@@ -9,6 +9,10 @@ names the op that needed it (a parameter split over dp, ZeRO-3, and an activatio
 propagation's memory term says so of, ``Graph.regather``, are converted again in each phase
 rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
+A partial loss of a one-task plan (the global mean of a data-parallel step, summed over dp) is
+reduced right where it is made and leaves the step reduced: the overlap pass then issues that
+all-reduce at the end of the forward and waits for it at the end of the step, where the runner
+would otherwise stop every rank for a blocking all-reduce after the update.
 
 Memory is part of the placement (``--offload optimizer`` puts the optimizer on the host): where
 a consumer's memory is not its input's, a ``to_host`` or ``to_device`` transfer joins the
@@ -25,10 +29,11 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.sbp.boxing_plan import plan_boxing
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
+from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role
 from sbpc.compiler.ir.verify import verify_boxed
 from sbpc.runtime.kinds import Collective, MemoryKind
-from sbpc.runtime.sbp import NdSbp, Partial, Split, format_nd_sbp
+from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, format_nd_sbp
 
 HOST, DEVICE = MemoryKind.HOST, MemoryKind.DEVICE
 
@@ -56,6 +61,11 @@ class _Inserter:
         self.fresh = FreshNames(set(self.types))
         self.made_at = {v: graph.nodes[i].loc for v, i in graph.producers().items()}
         self.out: list[Node] = []
+        # a pipeline's loss is each micro-batch's, reduced by the runner across stages
+        pipelined = MICROBATCH in self.axes or graph.mesh.size("pp") > 1
+        losses = graph.outputs_of(OutputKind.LOSS)
+        self.loss = losses[0].value if losses and not pipelined else None
+        self.reduced_loss: str | None = None
         # parameters split over dp (ZeRO-3): gathered again in each phase, never kept from the
         # forward to the backward (that is the memory ZeRO-3 saves)
         dp = self.axes.index("dp") if "dp" in self.axes else None
@@ -85,7 +95,11 @@ class _Inserter:
                 self.mem[o] = n.memory
             for o, nd in zip(n.outputs, n.sbp or []):
                 self.sbp[o] = nd
+            if self.loss in n.outputs:
+                self.reduced_loss = self._reduce_loss(n)
         outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
+        if self.reduced_loss is not None:
+            outputs = [replace(o, value=self.reduced_loss) if o.kind == OutputKind.LOSS else o for o in outputs]
         outputs = [self._reduced_gradient(o) for o in self._restore_layouts(outputs)]
         graph = replace(self.g, nodes=self.out, outputs=outputs, regather=frozenset())
         if all(n.sbp is not None for n in graph.nodes) and all(i.sbp is not None for i in graph.inputs):
@@ -138,6 +152,17 @@ class _Inserter:
         if value not in self.regather:
             return None
         return Role.FORWARD if consumer.role == Role.PRE else consumer.role
+
+    def _reduce_loss(self, made: Node) -> str | None:
+        """The loss reduced over the axes it is partial on, emitted right after ``made`` (its
+        producer). Only the step's output reads it: the backward keeps reading the partial loss,
+        so it does not wait for the reduction."""
+        have = self.sbp.get(self.loss)
+        if have is None or not any(isinstance(s, Partial) for s in have):
+            return None
+        need = tuple(Broadcast() if isinstance(s, Partial) else s for s in have)
+        anchor = Node([], "loss", (), {}, [], made.role, loc=made.loc, stage=made.stage, memory=made.memory)
+        return self.convert(self.loss, need, anchor)
 
     def _restore_layouts(self, outputs):
         """An updated param/state must leave the step in the layout it came in with."""

@@ -11,7 +11,10 @@ backward op that makes its last gradient, so the rest of the backward runs while
 as DDP and Megatron's --overlap-grad-reduce do), never before an earlier collective's issue, so
 the ranks of a group issue in the one order the plan had. A gather of a program input (a ZeRO-3
 parameter shard) goes no earlier than the start of the layer before its reader's: it is
-prefetched one layer ahead. The wait goes right before the first
+prefetched one layer ahead. A collective of values computed from the batch alone (the token
+count of a global-mean loss: the target mask's all-gather) is issued at the start of its task,
+its few small producers moved up with it, so the forward runs while it flies instead of every
+rank stopping for its peer mid-forward. The wait goes right before the first
 instruction that reads a result. Both stay inside the collective's task (its stage and role) in
 a pipelined plan, whose tasks are cut by role; a one-task plan lets a gradient bucket issued in
 the backward be waited for by the optimizer. The decision is made here, at compile time, and is
@@ -24,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from sbpc.compiler.ir.aten import is_mutating, is_random
 from sbpc.compiler.ir.mesh import MICROBATCH
-from sbpc.compiler.ir.types import Graph, Node, Ref, TensorType
+from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, TensorType
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.pipelining.stage_policy import layer_key
 from sbpc.errors import CompileError
@@ -35,6 +39,8 @@ from sbpc.runtime.overlap import OrderError, check_issue_order
 from sbpc.runtime.sbp import Broadcast
 
 WORK = TensorType((), "work")
+# a batch-only cone moved to its task's start stays alive from there to its collective: small only
+HOIST_BYTES = 1 << 20
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Overlap:
         if not any(_issuable(n) for n in nodes):
             return graph
         nodes = _sink_views(nodes, one_task)
+        nodes = _hoist_batch_cones(nodes, {i.value for i in graph.inputs if i.kind == InputKind.BATCH}, one_task)
         split = [i for i, n in enumerate(nodes) if _issuable(n)]
         producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
         readers: dict[str, list[int]] = {}
@@ -124,6 +131,49 @@ def _sink_views(nodes: list[Node], one_task: bool) -> list[Node]:
         end = float(len(nodes) if one_task else _task_end(task, i))
         pos[i] = max(pos[i], min(first, end) - 1e-3 * (1 + 1e-3 * i))  # never up; before its reader
     return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: (pos[i], i))]
+
+
+def _hoist_batch_cones(nodes: list[Node], batch: set[str], one_task: bool) -> list[Node]:
+    """Move the producers of a collective whose inputs come from the batch alone (pure aten ops
+    reading only batch inputs and each other, HOIST_BYTES at most) to the start of its task, in
+    their order: the issue then goes right after them, and the whole forward runs under it."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
+    task = [(n.stage, n.role) for n in nodes]
+    pos = [float(i) for i in range(len(nodes))]
+    for i, n in enumerate(nodes):
+        if not _issuable(n):
+            continue
+        cone = _batch_cone(n, nodes, producer, batch)
+        if not cone or not all(one_task or task[c] == task[i] for c in cone):
+            continue
+        start = 0 if one_task else next(j for j in range(i, -1, -1) if j == 0 or task[j - 1] != task[i])
+        for c in cone:
+            pos[c] = min(pos[c], start - 0.5 + 1e-6 * c)  # before the task's first node, in order
+    return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: (pos[i], i))]
+
+
+def _batch_cone(n: Node, nodes: list[Node], producer: dict[str, int], batch: set[str]) -> list[int] | None:
+    """The instructions ``n``'s inputs are computed by, if they read nothing but the batch, draw
+    nothing, write nothing and make HOIST_BYTES at most; else None."""
+    cone: set[int] = set()
+    todo = list(n.uses())
+    while todo:
+        u = todo.pop()
+        if u in batch:
+            continue
+        j = producer.get(u)
+        if j is None:  # a parameter, buffer or state
+            return None
+        if j in cone:
+            continue
+        p = nodes[j]
+        if not p.op.startswith("aten.") or is_random(p.op) or is_mutating(p.op):
+            return None
+        cone.add(j)
+        todo.extend(p.uses())
+    if sum(t.nbytes for j in cone for t in nodes[j].types) > HOIST_BYTES:
+        return None
+    return sorted(cone)
 
 
 def _issuable(n: Node) -> bool:
