@@ -16,6 +16,7 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.passes.memory_plan import last_uses
 from sbpc.runtime import plan as P
+from sbpc.runtime.backend import FUSED_ADAMW
 from sbpc.runtime.sbp import local_shape
 
 NEEDS = (Fact.ESTIMATES,)  # what the passes before lowering must provide (pass_manager)
@@ -59,7 +60,8 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
         optimizer=P.OptimizerSpec(kind=optimizer.kind, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
-                                  weight_decay=optimizer.weight_decay, momentum=optimizer.momentum),
+                                  weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
+                                  fused=any(n.op == FUSED_ADAMW for n in graph.nodes)),
         estimates=P.Estimates(**estimates),
         pipeline=graph.schedule,
         precision=precision,

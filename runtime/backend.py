@@ -205,6 +205,8 @@ class Backend(ABC):
             raise PlanError(f"backend {self.name} has no kernel for op {op}",
                             hint="the plan was compiled by a newer torch or sbpc; recompile it here")
         schema = kernel._schema
+        if op == FUSED_ADAMW:
+            return partial(_fused_adamw, kernel._op)
         if schema.is_mutable and not schema.returns:  # _foreach_*_: the overwritten list is the result
             return partial(_first_argument, kernel._op)  # the C++ op: no OpOverload frame
         return kernel
@@ -237,6 +239,30 @@ class Backend(ABC):
 def _first_argument(kernel, first, *args, **kwargs):
     kernel(first, *args, **kwargs)
     return first
+
+
+# torch's fused AdamW (the ``fuse-adamw`` pass): it overwrites the parameters, exp_avgs and
+# exp_avg_sqs (arguments 0, 2 and 3) and returns nothing; its results in a plan are those lists
+FUSED_ADAMW = "aten._fused_adamw_.default"
+OVERWRITTEN_LISTS = {FUSED_ADAMW: (0, 2, 3)}
+
+
+def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
+    """The CPU kernel walks each tensor's storage in memory order, so a transposed (strided)
+    gradient would be read in the wrong order: such a tensor goes in as a contiguous copy (a
+    written one is copied back). Plans' gradients are contiguous as a rule (a weight gradient's
+    ``t(t(mm))`` is), so this costs nothing there."""
+    lists = [params, grads, exp_avgs, exp_avg_sqs]
+    if all(t.is_contiguous() for ts in lists for t in ts):
+        kernel(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
+        return [*params, *exp_avgs, *exp_avg_sqs]
+    dense = [[t if t.is_contiguous() else t.contiguous() for t in ts] for ts in lists]
+    kernel(*dense, *args, **kwargs)
+    for k in (0, 2, 3):
+        for t, d in zip(lists[k], dense[k]):
+            if d is not t:
+                t.copy_(d)
+    return [*params, *exp_avgs, *exp_avg_sqs]
 
 
 def torch_op(op: str):

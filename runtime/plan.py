@@ -169,6 +169,9 @@ class OptimizerSpec(_Model):
     eps: float
     weight_decay: float
     momentum: float
+    # the update is torch's fused AdamW kernel (compiler pass fuse-adamw): `sbpc check` compares it
+    # with AdamW(fused=True), which runs the same kernel, not with the single-tensor algorithm
+    fused: bool = False
 
 
 class RoleMemory(_Model):

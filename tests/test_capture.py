@@ -43,8 +43,10 @@ def test_gpt_roles_locations_and_signature():
     graph = compile_example("gpt.py")[0].graph
     roles = collections.Counter(n.role for n in graph.nodes)
     assert roles[Role.FORWARD] > 40 and roles[Role.BACKWARD] > 40
-    # the update of all 29 parameters: one _foreach_* call per AdamW op (passes/inplace.py)
-    assert roles[Role.OPTIMIZER] > 10
+    # the update of all 29 parameters: one call of torch's fused AdamW (passes/fuse_adamw.py)
+    # and the step counter's increment
+    assert roles[Role.OPTIMIZER] == 2
+    assert [n.op for n in graph.nodes if n.role == Role.OPTIMIZER] == ["aten.add_.Tensor", "aten._fused_adamw_.default"]
     made_by = {o: n for n in graph.nodes for o in n.outputs}
     updates = [o for o in graph.outputs if o.kind.value == "update" and o.name != "step"]
     assert len(updates) == 3 * 29 and all(made_by[o.value].role == Role.OPTIMIZER for o in updates)

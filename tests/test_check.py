@@ -85,12 +85,12 @@ def test_check_detects_a_wrong_plan():
 
 
 def test_check_detects_a_wrong_optimizer_update():
-    """beta1 of AdamW changed from 0.9 to 0.8 (the lerp weight 1 - beta1) in the one
-    _foreach_lerp_ call of every parameter's update: loss and gradients are right, the update is not."""
+    """beta1 of AdamW changed from 0.9 to 0.8 in the one fused AdamW call of every parameter's
+    update: loss and gradients are right, the update is not."""
     result, source, optimizer = compile_example("mlp.py")
-    lerp = lambda ins: ins.op == "aten._foreach_lerp_.Scalar" and ins.role == "opt"
-    ins = next(i for i in result.plan.stages[0].instructions if lerp(i))
-    broken = _corrupt(result.plan, lerp, args=[*ins.args[:2], 0.2])
+    fused = lambda ins: ins.op == "aten._fused_adamw_.default"
+    ins = next(i for i in result.plan.stages[0].instructions if fused(i))
+    broken = _corrupt(result.plan, fused, kwargs={**ins.kwargs, "beta1": 0.8})
     report = run_check(broken, source, Runner(broken, make_backend("cpu"), seed=0), optimizer, steps=1, seed=0,
                        tolerance=TOL)
     _fails(report, "update")

@@ -37,11 +37,13 @@ class OptimizerConfig:
             return ("exp_avg", "exp_avg_sq")
         return ("momentum_buffer",) if self.momentum else ()
 
-    def torch_optimizer(self, params):
-        """The eager torch.optim equivalent, for `sbpc check`."""
+    def torch_optimizer(self, params, fused: bool = False):
+        """The eager torch.optim equivalent, for `sbpc check`: the single-tensor algorithm the
+        traced update reproduces, or with ``fused`` torch's fused AdamW kernel (a plan whose
+        update the fuse-adamw pass made that kernel)."""
         if self.kind == "adamw":
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                     weight_decay=self.weight_decay, foreach=False)
+                                     weight_decay=self.weight_decay, foreach=False, fused=fused)
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
                                weight_decay=self.weight_decay, foreach=False)
 

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import torch
 
-from sbpc.runtime.backend import torch_op
+from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 from sbpc.runtime.rng import RANDOM_SHARD
 
 
@@ -69,9 +69,13 @@ def functional_variant(op: str) -> str | None:
 
 def overwritten(n) -> list[str]:
     """The values an in-place op of the step writes over (the ``inplace`` pass makes them): its
-    first argument, or for a ``_foreach_*_`` op the first list. Its results are those storages."""
+    first argument, for a ``_foreach_*_`` op the first list, for torch's fused AdamW (the
+    ``fuse-adamw`` pass) the parameter, exp_avg and exp_avg_sq lists. Its results are those
+    storages, in that order."""
     if not is_mutating(n.op) or not n.args:
         return []
-    first = n.args[0]
-    refs = first if isinstance(first, list) else [first]
+    refs = []
+    for k in OVERWRITTEN_LISTS.get(n.op, (0,)):
+        a = n.args[k] if k < len(n.args) else None
+        refs += a if isinstance(a, list) else [a]
     return [r.name for r in refs] if refs and all(hasattr(r, "name") for r in refs) else []

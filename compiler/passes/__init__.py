@@ -9,6 +9,7 @@ from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
 from sbpc.compiler.passes.decompose import Decompose
+from sbpc.compiler.passes.fuse_adamw import FuseAdamW
 from sbpc.compiler.passes.inplace import InPlace
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
@@ -23,8 +24,8 @@ from sbpc.compiler.passes.stage_partition import StagePartition
 from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, InPlace, MemoryPlan, Zero,
-                                Overlap, Offload)}
+                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, FuseAdamW, InPlace, MemoryPlan,
+                                Zero, Overlap, Offload)}
 
 
 @dataclass(frozen=True)
@@ -52,4 +53,4 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
             SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
             Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
-            InPlace(), Overlap(), MemoryPlan()]
+            FuseAdamW(), InPlace(), Overlap(), MemoryPlan()]

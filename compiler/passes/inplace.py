@@ -35,10 +35,10 @@ from typing import Any, ClassVar
 
 import networkx as nx
 
-from sbpc.compiler.ir.aten import returns_alias
+from sbpc.compiler.ir.aten import overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
 from sbpc.compiler.pass_manager import Fact
-from sbpc.runtime.backend import torch_op
+from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 
 _VIEWS_TOO = frozenset({"aten._unsafe_view.default"})  # views aot emits without an alias annotation
 _OWNED_INPUTS = (InputKind.PARAM, InputKind.STATE)
@@ -77,6 +77,13 @@ class _Storages:
 
     def add(self, n: Node) -> None:
         uses = list(n.uses())
+        if n.op in OVERWRITTEN_LISTS:  # fused AdamW: each result is the storage it overwrote
+            for o, u in zip(n.outputs, overwritten(n)):
+                self.parent.setdefault(o, o)
+                self.union(o, u)
+                if u in self.owned:
+                    self.owned.add(o)
+            return
         if n.op.startswith("sbpc."):
             aliased = uses  # collectives, shard ops and hints may hand back an input
         elif _inplace_base(n.op):  # the overwritten storage, owned if it was

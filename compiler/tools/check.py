@@ -192,12 +192,14 @@ class Eager:
     torch.amp.GradScaler in the plan's scale (docs/precision.md)."""
 
     def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int,
-                 precision: PrecisionSpec = PrecisionSpec(), device: torch.device = torch.device("cpu")):
+                 precision: PrecisionSpec = PrecisionSpec(), device: torch.device = torch.device("cpu"),
+                 fused: bool = False):
         torch.manual_seed(seed)
         self.model = source.build().train().to(device)  # built on the CPU, as the plan's init is
         self.device = device
         self.named = dict(self.model.named_parameters())
-        self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        # the plan's update is torch's fused AdamW kernel (plan.optimizer.fused): the same kernel here
+        self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad], fused=fused)
         self.kind = optimizer.kind
         self.precision = precision
         self.scaler = LossScaler(precision.loss_scaling) if precision.loss_scaling else None
@@ -287,7 +289,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         return None
     report = CheckReport(tolerance=tolerance)
     device = runner.backend.device
-    eager = Eager(source, optimizer, seed, plan.precision, device)
+    eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
     eager_state = dict(eager.named) | dict(eager.model.named_buffers())
     init = Deviation()
     for name, t in weights.items():
@@ -298,7 +300,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             eager_state[name].copy_(t)
     free = None
     if free_running:
-        free, report.free = Eager(source, optimizer, seed, plan.precision, device), FreeRunning()
+        free, report.free = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused), FreeRunning()
     for step in range(steps):
         batch = batches(step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
