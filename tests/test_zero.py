@@ -39,11 +39,12 @@ def test_zero3_with_tensor_and_sequence_parallel_parity():
 
 # dp = 3 divides none of the dims of the tiny GPT's tensors but the fused qkv's 192 (hidden 64,
 # vocab 256, seq 32): ZeRO pads them (zero.py). With Megatron's hints on 3x2x1 the qkv weight's
-# dim 0 is tp's, so it is padded on dim 1 too.
-# (stage 2 lies between 1 and 3: 3x1x1 runs it, and the suite stays fast)
+# dim 0 is tp's, so it is padded on dim 1 too. On 3x1x2 (two micro-batches, the pipeline runner)
+# the qkv's dim 0 is strided in 3 blocks of 64, which dp does not divide: padded on dim 1 as well
+# (it failed to compile before). (Stage 2 lies between 1 and 3; the suite stays fast.)
 @pytest.mark.parametrize("zero,mesh,config", [(1, "3x1x1", None), (2, "3x1x1", None), (3, "3x1x1", None),
                                               (1, "3x2x1", "examples/gpt.megatron.toml"),
-                                              (3, "3x2x1", "examples/gpt.megatron.toml")])
+                                              (3, "3x2x1", "examples/gpt.megatron.toml"), (2, "3x1x2", None)])
 def test_zero_parity_when_dp_divides_no_dim(zero, mesh, config):
     extra = ("--config", config) if config else ()
     r = sbpc_check("examples/gpt.py", *extra, "--zero", str(zero), "--mesh", mesh, "--steps", "2", ranks="threads",

@@ -54,6 +54,8 @@ from sbpc.compiler.ir.types import (FreshNames, Graph, GraphInput, InputKind, No
                                     rename_uses)
 from sbpc.compiler.memory_options import ZERO_STAGES
 from sbpc.compiler.pass_manager import Fact
+from sbpc.compiler.sbp.layout import Layouts
+from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.errors import UsageError
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.runtime.sbp import Broadcast, Partial, Sbp, Split
@@ -91,10 +93,11 @@ class Zero:
         return graph
 
 
-def zero_dim(shape: tuple[int, ...], taken: set[int], dp: int) -> int | None:
+def zero_dim(shape: tuple[int, ...], taken: set[int], dp: int, blocks=lambda d: 1) -> int | None:
     """The dim ZeRO splits over ``dp``: the first one not in ``taken`` (split by another axis)
-    whose size divides; None when there is none."""
-    return next((d for d, n in enumerate(shape) if d not in taken and n % dp == 0 and n >= dp), None)
+    whose size divides, each of its ``blocks(d)`` strided blocks (a fused qkv's q, k and v) too;
+    None when there is none."""
+    return next((d for d, n in enumerate(shape) if d not in taken and n % (dp * blocks(d)) == 0 and n >= dp), None)
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,11 @@ class Pad:
 
 
 def pad_dim(shape: tuple[int, ...], taken: set[int], dp: int) -> Pad | None:
-    """For a tensor ``zero_dim`` finds no dim of: its largest dim not in ``taken`` (the first of
-    equal ones: the least padding), padded to a multiple of dp; None when that leaves each device
-    as much as the whole dim (size 1) or no dim is free."""
-    free = [d for d in range(len(shape)) if d not in taken and shape[d] > 1]
+    """For a tensor ``zero_dim`` finds no dim of: its largest dim not in ``taken`` that dp does not
+    divide (the first of equal ones: the least padding), padded to a multiple of dp; None when
+    that leaves each device as much as the whole dim (size 1) or no dim is free."""
+    # a dim dp divides gains no rows from padding (it failed on its strided blocks)
+    free = [d for d in range(len(shape)) if d not in taken and shape[d] > 1 and shape[d] % dp]
     if not free:
         return None
     d = max(free, key=lambda i: (shape[i], -i))
@@ -125,6 +129,10 @@ class _Rewrite:
         self.source = f"--zero {stage}"
         self.fresh = FreshNames(set(graph.value_types()) | {i.value for i in graph.inputs})
         self.param_hint = {n.args[0].name: n for n in graph.nodes if n.op == HINT_OP}
+        # the block counts propagation will give each dim (a fused qkv weight's dim 0 is S(_:3)
+        # wherever it splits, once any axis can split its q, k and v blocks)
+        sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
+        self.blocks = Layouts(graph, RuleBook.load(strided_parts=()), sizes).block_count
 
     def _taken(self, p: GraphInput) -> set[int] | None:
         """The dims of parameter ``p`` that other axes split (its hint); None when the user
@@ -138,7 +146,7 @@ class _Rewrite:
     def _split(self, p: GraphInput) -> int | None:
         """The dp dim of parameter ``p``'s shards (and of its state and gradient), unpadded."""
         taken = self._taken(p)
-        return None if taken is None else zero_dim(p.type.shape, taken, self.dp)
+        return None if taken is None else zero_dim(p.type.shape, taken, self.dp, lambda d: self.blocks(p.value, d))
 
     def _pad(self, p: GraphInput) -> Pad | None:
         taken = self._taken(p)
