@@ -109,3 +109,23 @@ def test_the_loss_is_reduced_under_the_backward_and_update(plan):
     # only the step's output reads the reduced loss: the backward starts from the partial one
     assert not any(loss in {a.ref for a in _refs(i.args)} for i in ins)
     assert ins[w].types[0].sbp and not any("P" in s for s in ins[w].types[0].sbp), ins[w].types[0]
+
+
+def test_only_what_serves_one_gradient_is_priced_as_a_bucket_member():
+    """The propagation prices a reduction as a bucket member (its bytes, no call of its own) only
+    for the values that serve one parameter's gradient: a reduction of anything upstream holds up
+    the backward of every layer below, so it is a blocking call, never bucketed."""
+    from sbpc.compiler.frontend.capture import capture
+    from sbpc.compiler.ir.types import OutputKind, Role
+    from sbpc.compiler.sbp.state import gradient_tail
+
+    graph = capture(load_model("examples/gpt.py", MID), parse_mesh("1"), 16, OptimizerConfig(), None)
+    tail = gradient_tail(graph, graph.users())
+    grads = {o.value for o in graph.outputs_of(OutputKind.GRAD)}
+    assert grads <= tail
+    # the loss's gradient, the first value of the backward, is what every weight gradient comes from
+    first = next(n for n in graph.nodes if n.role == Role.BACKWARD)
+    assert first.outputs[0] not in tail
+    # and so is every activation gradient: most of the backward is not in the tail
+    backward = [o for n in graph.nodes if n.role == Role.BACKWARD for o in n.outputs]
+    assert len(tail) < len(backward) / 2, (len(tail), len(backward))

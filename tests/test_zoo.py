@@ -133,9 +133,6 @@ def test_llama_megatron_tensor_parallel_counts():
     assert len(bwd) == 2 * layers + 1, bwd
 
 
-@pytest.mark.xfail(strict=True, reason="since gradient reductions are priced as bucket members (e5e1a14) the "
-                   "solver computes each RMSNorm weight's gradient from the partial input gradient and all-reduces "
-                   "it on tp: 4 all-reduces of 4 KB more than Megatron's")
 def test_llama_megatron_reduces_no_norm_weight_gradient():
     plan = compile_model(load_model(ZOO["llama"], LLAMA_MID), parse_mesh("1x2"), batch_size=BATCH,
                          optimizer=OptimizerConfig(), config=load_config(LLAMA_MEGATRON)).plan

@@ -65,11 +65,11 @@ SEQUENTIAL_STEPS = frozenset({Collective.ALL_REDUCE, Collective.SHARD_SLICE, Col
 
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
-                sequential: frozenset[int] = frozenset(), bucketed: bool = False) -> float:
+                sequential: frozenset[int] = frozenset(), bucketed: frozenset[int] = frozenset()) -> float:
     """Seconds the conversion takes under ``model``; infinite where no boxing exists (into
     P(max)) or where it would exchange data between micro-batches (``sequential`` axes).
-    ``bucketed``: ``t`` is a weight gradient on its way to the optimizer, whose reductions
-    share one bucket (``model.bucketed``)."""
+    ``bucketed``: the axes on which ``t``'s reductions join a gradient bucket that is made
+    anyway (``model.bucketed``); on the others each is a call of its own."""
     try:
         steps = plan_boxing(src, dst, t, sizes)
     except CompileError:
@@ -79,7 +79,7 @@ def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], m
         if s.axis in sequential and s.kind not in SEQUENTIAL_STEPS:
             return float("inf")
         nbytes = t.local_nbytes(cur, sizes)
-        if bucketed and s.axis not in sequential and s.kind in _BUCKETED:
+        if s.axis in bucketed and s.axis not in sequential and s.kind in _BUCKETED:
             cost += model.bucketed(s.kind, nbytes, sizes[s.axis])
         else:
             cost += model.collective(s.kind, nbytes, sizes[s.axis])

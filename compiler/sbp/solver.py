@@ -49,7 +49,24 @@ class Solver:
         for o in g.outputs_of(OutputKind.UPDATE):
             src = by_name[o.name].value
             st.require(o.value, ("update", o.name), st.sbp[src])
+        st.bucket_axes = self._data_axes()
         self._weigh()
+
+    def _data_axes(self) -> frozenset[int]:
+        """The axes that split the data the weights see before any choice is made: a batch
+        input's (dp) and a hinted activation's (sequence parallelism's tp). A weight replicated
+        on such an axis has a partial gradient there unless its input is gathered, so gradient
+        buckets are made there anyway; where only weights are split (Megatron's tp), a gradient
+        is partial only by the solver's choice."""
+        st, g = self.state, self.state.graph
+        inputs = {i.value for i in g.inputs}
+        out = {a for i in g.inputs if i.kind == InputKind.BATCH for a, s in enumerate(st.sbp[i.value])
+               if isinstance(s, Split)}
+        for n in g.nodes:
+            if n.op == HINT_OP and n.args[0].name not in inputs:
+                out.update(st.axes.index(a) for a, s in hint_of(n).axes
+                           if isinstance(s, Split) and a in st.axes and st.sizes[st.axes.index(a)] > 1)
+        return frozenset(out)
 
     def _state_sbp(self, i: GraphInput, param: GraphInput, hint_node) -> tuple[NdSbp, str]:
         """An optimizer state with a hint of its own: its parameter's layout, the hinted axes

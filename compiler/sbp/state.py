@@ -95,7 +95,10 @@ class SolverState:
     at: list[list[Use]] = field(init=False)
     held: dict[str, bool] = field(init=False)  # the saved values whose memory is priced (index.saved, or none)
     _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
-    bucketed: frozenset[str] = field(init=False)  # weight gradients on their way to the optimizer
+    bucketed: frozenset[str] = field(init=False)  # the values that serve one gradient (gradient_tail)
+    # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
+    # hinted activation), where replicated weights' gradients are partial (Solver._data_axes)
+    bucket_axes: frozenset[int] = frozenset()
 
     def __post_init__(self):
         self.axes = self.graph.mesh.sbp_axes
@@ -134,9 +137,12 @@ class SolverState:
 
     # ----- costs
     def box(self, src: NdSbp, dst: NdSbp, t: TensorType, bucketed: bool = False) -> float:
+        """Converting a value of type ``t``; ``bucketed``: one that serves a single gradient,
+        whose reductions on ``bucket_axes`` join the buckets made there anyway."""
         key = (src, dst, t, bucketed)
         if key not in self._box:
-            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential, bucketed)
+            self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential,
+                                         self.bucket_axes if bucketed else frozenset())
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
@@ -288,18 +294,29 @@ class SolverState:
 
 
 def gradient_tail(graph: Graph, consumers: dict[str, list[int]]) -> frozenset[str]:
-    """The backward's values that only the optimizer needs, directly or through backward ops
-    that feed nothing else (a weight gradient and its transpose): their reductions are what
-    ``coalesce`` buckets and ``overlap`` issues while the backward goes on."""
+    """The backward's values that serve one parameter's gradient alone: the gradient itself (what
+    the optimizer reads) and what only it is computed from (a weight gradient before its
+    transpose, a norm weight's products before their sum). Their reductions are what
+    ``coalesce`` buckets and ``overlap`` issues while the backward goes on: nothing else in the
+    backward waits for them. An activation's gradient is not among them even though the whole
+    backward ends in gradients: the gradients of every layer below are computed from it, so its
+    reduction blocks the backward where it is needed, one call of its own."""
     nodes = graph.nodes
-    tail: set[str] = set()
+    # per backward value, the gradient it serves: a value the optimizer reads, or _MANY
+    serves: dict[str, str] = {}
     for n in reversed(nodes):  # consumers come later in program order
         if n.role != Role.BACKWARD:
             continue
         for o in n.outputs:
             readers = consumers.get(o, [])
-            if readers and all(nodes[c].role == Role.OPTIMIZER or
-                               (nodes[c].role == Role.BACKWARD and all(x in tail for x in nodes[c].outputs))
-                               for c in readers):
-                tail.add(o)
-    return frozenset(tail)
+            got = {o} if any(nodes[c].role == Role.OPTIMIZER for c in readers) else set()
+            for c in readers:
+                if nodes[c].role == Role.BACKWARD:
+                    got.update(serves.get(x, _MANY) for x in nodes[c].outputs)
+                elif nodes[c].role != Role.OPTIMIZER:
+                    got.add(_MANY)
+            serves[o] = got.pop() if len(got) == 1 else _MANY
+    return frozenset(v for v, g in serves.items() if g != _MANY)
+
+
+_MANY = ""  # no value is named "": a value serving several gradients, or none
