@@ -10,8 +10,8 @@ own ``sbpc.runtime.launch.launch(2, ...)`` of two fresh processes joined over gl
         runner.step(batch): forward, backward, the gradient all-reduces, AdamW, and the loss
         (the global mean) returned as a float. The runner cuts its half of the global batch.
   ddp   torch.manual_seed(0); DistributedDataParallel(build_model()); AdamW(foreach=False)
-        (= OptimizerConfig().torch_optimizer, what the plan reproduces; torch's CPU default
-        too). A step is opt.zero_grad(set_to_none=True); loss = ddp(idx, targets) on this
+        (= OptimizerConfig().torch_optimizer, torch's CPU default; with --ddp-fused
+        AdamW(fused=True), the kernel the plan's update runs since the fuse-adamw pass). A step is opt.zero_grad(set_to_none=True); loss = ddp(idx, targets) on this
         rank's half of the global batch (batch/2 rows); loss.backward(); opt.step(); then one
         scalar all-reduce of the detached loss and float() of it, so that DDP too ends the
         step holding the global mean loss as a float, as runner.step does.
@@ -179,7 +179,9 @@ def ddp_worker(payload: dict) -> dict:
     torch.manual_seed(0)
     model = module.build_model(**plan.model.sets).train()
     ddp = DistributedDataParallel(model, bucket_cap_mb=payload.get("bucket_mb", 25.0))
-    opt = OptimizerConfig().torch_optimizer([p for p in ddp.parameters() if p.requires_grad])  # AdamW foreach=False
+    # AdamW foreach=False (single-tensor), or with --ddp-fused torch's fused kernel, the one the plan's update runs
+    opt = OptimizerConfig().torch_optimizer([p for p in ddp.parameters() if p.requires_grad],
+                                            fused=payload.get("ddp_fused", False))
     make = BatchSource(plan, 0)
     per_rank = plan.model.batch_size // world
     batches = [tuple(t[rank * per_rank:(rank + 1) * per_rank].contiguous() for t in make(i))
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ddp-bucket-mb", type=float, default=25.0,
                    help="DDP's bucket_cap_mb (default 25, torch's default: the models here fit one or two buckets; "
                         "a tiny value such as 0.0001 gives one all-reduce per gradient, as the plan does)")
+    p.add_argument("--ddp-fused", action="store_true",
+                   help="DDP steps with AdamW(fused=True), the kernel the plan's update is (fuse-adamw pass), "
+                        "instead of the single-tensor AdamW")
     args = p.parse_args(argv)
     check_args_and_announce(p, args)
     rows = []
@@ -214,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: {args.model} {' '.join('--set ' + s for s in sets)} --batch-size {batch} (global)", flush=True)
             plan = compile_plan(args.model, sets, "2x1", batch, tmp)
             payload = {"plan": plan, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout,
-                       "bucket_mb": args.ddp_bucket_mb}
+                       "bucket_mb": args.ddp_bucket_mb, "ddp_fused": args.ddp_fused}
             res = bench_sides({"plan": ("dp_vs_ddp:plan_worker", payload), "ddp": ("dp_vs_ddp:ddp_worker", payload)},
                               args.rounds, args.steps)
             rows += compare_sides(name, batch, res, "ddp")
     print_table(rows, "ddp")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print(f"ratio={min(r[5] for r in rows if r[2] == 'plan'):.2f}")  # plan/DDP steps/s, the worst config
     return 0
 
 
