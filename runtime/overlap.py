@@ -1,5 +1,7 @@
 """The order of issued collectives: every ``sbpc.issue`` is waited for exactly once, after it
-and inside its task; issues keep one order. All ranks of a stage run the same program, so
+and inside its task; issues keep one order; nothing reads a result before its wait, nor
+overwrites an input in place while it flies (gloo reads an all-gather's or reduce-scatter's
+input buffer until the wait). All ranks of a stage run the same program, so
 with this order a rank can only wait for a collective its peers have already issued (the
 earliest waiting rank's collective was issued by every peer, which are all past it), and no
 rank waits for another in a cycle. The compiler checks it after the overlap pass, and the
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Hashable, Iterator, Sequence
 
 from sbpc.errors import PlanError
+from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 from sbpc.runtime.kinds import ISSUE, WAIT
 
 
@@ -17,13 +20,22 @@ class OrderError(PlanError):
     """An issued collective waited for before it is issued, twice, or never (a deadlock)."""
 
 
-def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashable]], *, one_task: bool) -> None:
-    """``program``: per instruction (op, outs, uses, task). ``one_task``: the program runs as one
-    function (no pipeline), so a wait may be in another phase than its issue."""
+def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashable, list[str]]], *,
+                      one_task: bool) -> None:
+    """``program``: per instruction (op, outs, uses, task, the values it overwrites in place).
+    ``one_task``: the program runs as one function (no pipeline), so a wait may be in another
+    phase than its issue."""
     flying: dict[str, tuple[int, Hashable]] = {}
-    for k, (op, outs, uses, task) in enumerate(program):
+    reading: dict[str, set[str]] = {}  # issue -> the values it reads
+    for k, (op, outs, uses, task, writes) in enumerate(program):
+        for v in writes:
+            w = next((w for w, vs in reading.items() if v in vs), None)
+            if w is not None:
+                raise OrderError(f"instruction {k} ({op}) overwrites %{v}, which %{w} sends while it is in flight",
+                                 hint="the plan's issue and wait order is broken; recompile it")
         if op == ISSUE:
             flying[outs[0]] = (k, task)
+            reading[outs[0]] = set(uses)
         elif op == WAIT:
             w = uses[0]
             if w not in flying:
@@ -31,6 +43,7 @@ def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashabl
                                  f"(the peers of its group would wait for this rank forever)",
                                  hint="the plan's issue and wait order is broken; recompile it")
             at, issued_in = flying.pop(w)
+            reading.pop(w)
             if not one_task and issued_in != task:
                 raise OrderError(f"deadlock: %{w} is issued in task {issued_in} (instruction {at}) "
                                  f"but waited for in {task} (instruction {k})",
@@ -48,7 +61,7 @@ def check_issue_order(program: Sequence[tuple[str, list[str], list[str], Hashabl
 def check_plan(plan) -> None:
     """``check_issue_order`` of every stage program of ``plan``."""
     for prog in plan.stages:
-        check_issue_order([(i.op, i.outs, uses(i), (i.stage, i.role)) for i in prog.instructions],
+        check_issue_order([(i.op, i.outs, uses(i), (i.stage, i.role), _overwritten(i)) for i in prog.instructions],
                           one_task=plan.pipeline is None)
 
 
@@ -76,6 +89,15 @@ def blocking(instructions) -> Iterator:
                                              types=w.types))
         elif ins.op != WAIT:
             yield ins
+
+
+def _overwritten(ins) -> list[str]:
+    """What an in-place instruction writes over: its first argument (a foreach op's first list;
+    fused AdamW's parameter and state lists)."""
+    overload = torch_op(ins.op) if ins.args else None
+    if overload is None or not overload._schema.is_mutable:
+        return []
+    return _refs([ins.args[k] for k in OVERWRITTEN_LISTS.get(ins.op, (0,)) if k < len(ins.args)])
 
 
 def _refs(args) -> list[str]:

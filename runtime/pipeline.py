@@ -257,8 +257,9 @@ class PipelineRunner(Runner):
 
     def _collect(self, values: dict[str, tuple]) -> dict[str, torch.Tensor] | None:
         """Logical tensors of the named values, on rank 0: each stage gathers what it made
-        (a collective within the stage), and stage leads send theirs to rank 0."""
-        local = {n: self.gather(t, nd) for n, (t, nd) in values.items()}
+        (a collective within the stage), and stage leads send theirs to rank 0. Copies: the
+        next step overwrites parameters and states in place (in-process ranks pass objects as is)."""
+        local = {n: self._copy(t, nd) for n, (t, nd) in values.items()}
         lead = all(i == 0 for i in self.coords)
         parts = self.backend.communicator.gather_objects(local if lead else {}, 0)
         if parts is None:

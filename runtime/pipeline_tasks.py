@@ -14,7 +14,8 @@ Two instructions are not kernels:
 The once-a-step phase is cut into parts by transfers: an ``opt`` instruction that reads a value
 received from another chunk's ``opt`` phase runs in a later part than what sent it. Two stages
 may then both send and receive updates (a tied weight, a shared step counter) without their
-update actors waiting on each other.
+update actors waiting on each other. What is not sent runs in the part that reads it, so no
+part holds values made for a later one.
 
 The compiler (schedule pass) and the runtime build the same ``TaskGraph`` from the program, so
 the order the compiler proved deadlock-free is the order the runtime executes.
@@ -222,8 +223,12 @@ def fmt(t: Task) -> str:
 
 
 def _opt_parts(items: list[Item]) -> dict[tuple[int, int], int]:
-    """The part of every ``opt`` instruction: one more than the part of what a transfer into
-    it carries, else the largest part among the same chunk's ``opt`` values it reads."""
+    """The part of every ``opt`` instruction. As early as it can run: one more than the part of
+    what a transfer into it carries, else the largest part among the same chunk's ``opt`` values
+    it reads. Then what is sent, or leaves the step unread, stays there, and every other
+    instruction moves as late as its readers allow (the smallest part among them): a value
+    made for a later part (an update's denominator, waiting for a received step count) is made
+    in that part, not held across the parts."""
     producer = {o: it for it in items for o in it.outs}
     part: dict[tuple[int, int], int] = {}
     changed = True
@@ -237,4 +242,14 @@ def _opt_parts(items: list[Item]) -> dict[tuple[int, int], int]:
             if part.get(it.index_key, 0) != want:
                 part[it.index_key] = want
                 changed = True
+    readers: dict[str, list[Item]] = {}
+    for it in items:
+        for u in it.uses:
+            readers.setdefault(u, []).append(it)
+    for it in reversed(items):  # readers first: the items are in program order, a topological one
+        if it.phase != "opt" or it.op == TRANSFER:
+            continue
+        rs = [r for o in it.outs for r in readers.get(o, [])]
+        if rs and all(r.phase == "opt" and r.chunk == it.chunk and r.op != TRANSFER for r in rs):
+            part[it.index_key] = min(part.get(r.index_key, 0) for r in rs)
     return part

@@ -77,6 +77,20 @@ def test_a_wait_moved_before_its_issue_is_a_deadlock_error_at_load(plan):
         Runner(broken, make_backend("cpu"))
 
 
+def test_an_in_place_write_over_what_a_collective_sends_is_refused_at_load(plan):
+    """gloo reads an issued collective's input until the wait: an edited plan that overwrites it
+    in between fails before any rank runs (the overlap pass waits before such a write)."""
+    ins = list(_program(plan))
+    k = next(k for k, i in enumerate(ins) if i.op == ISSUE and i.kwargs["kind"] == "all_reduce_coalesced")
+    x = next(_refs(ins[k].args))
+    ins.insert(k + 1, ins[k].model_copy(update={"op": "aten.mul_.Tensor", "args": [x, 2.0], "kwargs": {},
+                                                "outs": [f"{x.ref}_x2"], "role": "bwd"}))
+    broken = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"instructions": ins})]})
+    with pytest.raises(OrderError, match=rf"instruction {k + 1} \(aten.mul_.Tensor\) overwrites %{x.ref}, which "
+                                         rf"%{ins[k].outs[0]} sends while it is in flight"):
+        check_plan(broken)
+
+
 def test_an_issue_never_waited_for_is_refused(plan):
     ins = [i for i in _program(plan) if not (i.op == WAIT and i.args[0].ref.endswith("_kept_all_gather_work"))]
     assert len(ins) == len(_program(plan)) - 1  # the token mask's gather

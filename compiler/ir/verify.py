@@ -11,6 +11,7 @@ from __future__ import annotations
 from sbpc.compiler.ir.aten import is_mutating, overwritten
 from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
 from sbpc.runtime.kinds import Collective, MemoryKind
+from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
 
@@ -59,18 +60,30 @@ def _update_overwrite(n: Node, foreign: set[str]) -> bool:
 
 
 def _verify_overwrites(graph: Graph, where: str) -> None:
-    """A value overwritten in place is read by nothing after it and is no graph output."""
+    """A value overwritten in place is read by nothing that runs after it on its device stage
+    (a pipeline's stage runs by its task order), sent by no transfer, and is no graph output."""
+    if not any(is_mutating(n.op) for n in graph.nodes):
+        return
+    from sbpc.compiler.passes.schedule import execution_positions  # the runtime's task cut and order
+
+    at = execution_positions(graph)
     outputs = {o.value for o in graph.outputs}
-    last: dict[str, int] = {}
-    for idx, n in enumerate(graph.nodes):
+    last: dict[tuple[str, int], tuple[int, int]] = {}
+    sent: set[str] = set()
+    for (stage, pos), n in zip(at, graph.nodes):
         for u in n.uses():
-            last[u] = idx
-    for idx, n in enumerate(graph.nodes):
+            if n.op == TRANSFER:
+                sent.add(u)
+            else:
+                last[(u, stage)] = max(last.get((u, stage), pos), pos)
+    for (stage, pos), n in zip(at, graph.nodes):
         if not is_mutating(n.op):
             continue
         for v in overwritten(n):
-            if v in outputs or last.get(v, idx) > idx:
-                raise IRError(f"{n.op} overwrites %{v}, which is {'a graph output' if v in outputs else 'read later'}{where}",
+            why = "a graph output" if v in outputs else "sent to another stage" if v in sent \
+                else "read later" if last.get((v, stage), pos) > pos else None
+            if why:
+                raise IRError(f"{n.op} overwrites %{v}, which is {why}{where}",
                               location=_loc(n), hint="only a value nothing reads afterwards may be updated in place")
 
 

@@ -5,7 +5,7 @@ one is still held, and each of the ~10 tensor ops of AdamW does so per parameter
 old value has no later reader, the op becomes its in-place variant (``mul_``), so the update
 no longer holds old and new parameters and states at once. Then the same op of every
 parameter (same scalars, same shared 0-d tensors) becomes one ``aten._foreach_*`` call:
-one dispatch for all parameters instead of one each.
+one dispatch for many parameters instead of one each.
 
 Same arithmetic: an in-place variant runs the kernel of its functional op with the output
 written over the input, and torch's CPU ``_foreach_*`` kernels loop over the tensors calling
@@ -17,19 +17,31 @@ When an op may overwrite its first input ``x``:
 - ``x`` is a storage the step owns: a PARAM or STATE input (the runtime replaces those by the
   update) or the fresh result of a non-view aten op, never a view, a batch, a buffer or the
   result of an ``sbpc.*`` op (a collective on a one-device axis returns its input);
-- nothing that shares ``x``'s storage is read later or is a graph output.
-Only one-program plans are rewritten: a pipeline's tasks run in the schedule's order, not the
-graph's, so "later" would need the task order (a gap, docs/runtime.md).
+- nothing that shares ``x``'s storage runs later on the op's device stage or is a graph output;
+- nothing that shares it is sent (``sbpc.transfer``): a send keeps its buffer until the step
+  ends, and gloo's ``isend`` reads it while it flies.
+"Later" is the execution order of the op's device stage. A one-program plan runs in graph
+order. A pipeline stage runs its tasks in ``schedule.order[stage]`` and each task's
+instructions in graph order, so an instruction's position is (its task's place in that order,
+for a per-micro-batch task its last firing; its index in the graph). A program input read on
+another device stage is that stage's own copy (every stage loads the parameters it reads; a
+tied weight's other copies receive the new value), so only this stage's readers count; any
+other value reaches another stage only through a transfer.
 
-Grouping works on runs of consecutive optimizer aten ops. Inside a run the ops are ordered by
-their depth in the run's dependence graph (data, plus "every reader of a storage before the op
-that overwrites it"), and the ops of one depth with the same operator and shared arguments
-become one foreach call; the order is a topological order of that graph, so every value is
-computed before it is read and overwritten after.
+Grouping works on runs of consecutive optimizer aten ops of one task (in a pipeline: one
+chunk's once-a-step part; the parts are re-derived after the rewrite and must not move), cut
+into pieces: a foreach call makes its results for all its members at once, so a whole run
+grouped would hold every parameter's temporaries (its sqrt, its step) together. A piece ends
+where the traced per-parameter order holds no temporary and keeps its temporaries within the
+largest parameter's own, or ``foreach_floor`` bytes where that is more. Inside a piece the ops
+are ordered by their depth in its dependence graph (data, plus "every reader of a storage
+before the op that overwrites it"), and the ops of one depth with the same operator and shared
+arguments become one foreach call; the order is a topological order of that graph, so every
+value is computed before it is read and overwritten after.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -38,7 +50,10 @@ import networkx as nx
 from sbpc.compiler.ir.aten import overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
 from sbpc.compiler.pass_manager import Fact
+from sbpc.compiler.passes.schedule import execution_positions, node_tasks
+from sbpc.errors import CompileError
 from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
+from sbpc.runtime.pipeline_tasks import TRANSFER
 
 _VIEWS_TOO = frozenset({"aten._unsafe_view.default"})  # views aot emits without an alias annotation
 _OWNED_INPUTS = (InputKind.PARAM, InputKind.STATE)
@@ -55,14 +70,37 @@ class InPlace:
     needs: ClassVar[tuple[Fact, ...]] = (Fact.SBP,)
     provides: ClassVar[tuple[Fact, ...]] = ()
     foreach: bool = True  # group per-parameter ops into _foreach_* calls
+    # bytes per device a foreach call may make at once even where one parameter's update needs
+    # less: below it, one dispatch for many small parameters is worth more than the memory
+    foreach_floor: int = 256 << 20
 
     def apply(self, graph: Graph, ctx) -> Graph:
-        if graph.schedule is not None:
-            return graph
-        graph = replace(graph, nodes=_overwrite_dead(graph))
+        where = _Where.of(graph)
+        graph = replace(graph, nodes=_overwrite_dead(graph, where))
         if self.foreach:
-            graph = replace(graph, nodes=_group(graph))
+            graph = replace(graph, nodes=_group(graph, where, self.foreach_floor))
+            if graph.schedule is not None:
+                _check_tasks(graph, where)
         return graph
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where each node runs: its device stage, its position there, and its task."""
+    stage: list[int]
+    position: list[tuple[int, int]]  # compare within a stage (schedule.execution_positions)
+    task: list[tuple[int, str, int] | None]  # (chunk, phase, part); None in a one-program plan
+    names: dict[str, tuple[int, str, int] | None]  # the task of each value made by a node
+
+    @staticmethod
+    def of(graph: Graph) -> "_Where":
+        task = node_tasks(graph) if graph.schedule is not None else [None] * len(graph.nodes)
+        at = execution_positions(graph, task)
+        return _Where([s for s, _ in at], [p for _, p in at], task, _made_in(graph, task))
+
+
+def _made_in(graph: Graph, task: list) -> dict[str, tuple[int, str, int]]:
+    return {o: key for key, n in zip(task, graph.nodes) for o in n.outputs}
 
 
 class _Storages:
@@ -111,14 +149,32 @@ class _Storages:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _overwrite_dead(graph: Graph) -> list[Node]:
+@dataclass
+class _Reads:
+    """Who reads one storage: the last reader on each device stage, and whether a transfer sends it."""
+    last: dict[int, tuple[int, int]] = field(default_factory=dict)
+    sent: bool = False
+
+    def merge(self, other: "_Reads") -> "_Reads":
+        last = dict(self.last)
+        for st, p in other.last.items():
+            last[st] = max(last.get(st, p), p)
+        return _Reads(last, self.sent or other.sent)
+
+
+def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
     store = _Storages(graph)
     types = {i.value: i.type for i in graph.inputs} | {o: t for n in graph.nodes for o, t in zip(n.outputs, n.types)}
     outputs = {o.value for o in graph.outputs}
-    last_read: dict[str, int] = {}  # storage -> last node reading any value in it
+    reads: dict[str, _Reads] = {}  # storage -> its readers
     for idx, n in enumerate(graph.nodes):
+        st = where.stage[idx]
         for u in n.uses():
-            last_read[store.find(u)] = idx
+            r = reads.setdefault(store.find(u), _Reads())
+            if n.op == TRANSFER:
+                r.sent = True
+            else:
+                r.last[st] = max(r.last.get(st, where.position[idx]), where.position[idx])
     members: dict[str, set[str]] = {}
     for v in types:
         members.setdefault(store.find(v), set()).add(v)
@@ -127,14 +183,16 @@ def _overwrite_dead(graph: Graph) -> list[Node]:
         x = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
         op = _inplace_variant(n.op) if n.role == Role.OPTIMIZER and x is not None else None
         s = store.find(x) if op else None
+        st = where.stage[idx]
         if (op and len(n.outputs) == 1 and types[x] == n.types[0] and x in store.owned
-                and not members[s] & (store.foreign | outputs) and last_read[s] == idx
+                and not members[s] & (store.foreign | outputs) and not reads[s].sent
+                and reads[s].last.get(st) == where.position[idx]
                 and all(store.find(u) != s for u in list(n.uses())[1:])):
             n = replace(n, op=op)
             out = store.find(n.outputs[0])
             store.add(n)  # from here on the result is x's storage
             merged = store.find(x)
-            last_read[merged] = max(last_read.get(out, idx), idx)
+            reads[merged] = reads.pop(s).merge(reads.pop(out, _Reads()))
             members[merged] = members.pop(s) | members.pop(out, set())
         nodes.append(n)
     return nodes
@@ -210,20 +268,90 @@ def _foreach_plan(n: Node, types: dict[str, TensorType]) -> _Plan | None:
     return plan
 
 
-def _group(graph: Graph) -> list[Node]:
+def _group(graph: Graph, where: _Where, floor: int) -> list[Node]:
     nodes, store = graph.nodes, _Storages(graph)
     types = {i.value: i.type for i in graph.inputs} | {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
+    sizes = tuple(graph.mesh.size(a) for a in graph.mesh.sbp_axes)
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for u in set(n.uses()):
+            readers[u] = readers.get(u, 0) + 1
+    outputs = {o.value for o in graph.outputs}
     out: list[Node] = []
     run: list[Node] = []
-    for n in nodes:
-        if n.role == Role.OPTIMIZER and n.op.startswith("aten."):
+
+    def flush() -> None:
+        inside: dict[str, int] = {}
+        for n in run:
+            for u in set(n.uses()):
+                inside[u] = inside.get(u, 0) + 1
+        # what is read after the run, or leaves the step, is held however the run is grouped
+        outlive = outputs | {o for n in run for o in n.outputs if inside.get(o, 0) < readers.get(o, 0)}
+        for piece in _slices(run, sizes, floor, outlive):
+            out.extend(_group_run(piece, types, store))
+
+    task = None
+    for idx, n in enumerate(nodes):
+        if n.role == Role.OPTIMIZER and n.op.startswith("aten.") and (not run or where.task[idx] == task):
             run.append(n)
+            task = where.task[idx]
             continue
-        out.extend(_group_run(run, types, store))
+        flush()
         run = []
-        out.append(n)
-    out.extend(_group_run(run, types, store))
+        if n.role == Role.OPTIMIZER and n.op.startswith("aten."):  # a run of another task starts
+            run, task = [n], where.task[idx]
+        else:
+            out.append(n)
+    flush()
     return out
+
+
+def _slices(run: list[Node], sizes: tuple[int, ...], floor: int, outlive: set[str]) -> list[list[Node]]:
+    """``run`` cut into consecutive pieces whose temporaries (new tensors nothing after the run
+    reads) fit in what the largest single parameter's update holds at once (its denominator and
+    its step), or in ``floor`` bytes where that is more. A foreach call makes its results for
+    all members at once, so a whole run grouped would hold every parameter's temporaries
+    together. Cuts fall where the traced per-parameter order holds no temporary (a 0-d value, a
+    step size every parameter reads, does not count)."""
+    last: dict[str, int] = {}
+    for k, n in enumerate(run):
+        for u in n.uses():
+            last[u] = k
+    segments: list[tuple[list[Node], int]] = []
+    piece: list[Node] = []
+    held = until = 0
+    for k, n in enumerate(run):
+        piece.append(n)
+        if not (_inplace_base(n.op) or returns_alias(n.op) or n.op in _VIEWS_TOO):
+            for o, t, nd in zip(n.outputs, n.types, n.sbp or [None] * len(n.types)):
+                if o not in outlive and t.shape != ():
+                    held += t.local_nbytes(nd, sizes)
+                    until = max(until, last.get(o, k))
+        if until <= k:  # nothing of this piece is read further on
+            segments.append((piece, held))
+            piece, held = [], 0
+    if piece:
+        segments.append((piece, held))
+    cap = max([floor] + [b for _, b in segments])
+    pieces: list[list[Node]] = []
+    total = cap + 1
+    for seg, b in segments:
+        if total + b > cap:
+            pieces.append([])
+            total = 0
+        pieces[-1].extend(seg)
+        total += b
+    return pieces
+
+
+def _check_tasks(graph: Graph, before: _Where) -> None:
+    """Every value is made in the task it was made in before grouping: a foreach call of one
+    task's ops, and the once-a-step parts re-derived from the new graph, leave the schedule's
+    order valid. A failure is a bug of this pass."""
+    for value, key in _made_in(graph, node_tasks(graph)).items():
+        if before.names.get(value, key) != key:
+            raise CompileError(f"inplace: %{value} moved from task {before.names[value]} to {key}",
+                               hint="report this plan; compile with the inplace pass removed meanwhile")
 
 
 def _group_run(run: list[Node], types: dict[str, TensorType], store: _Storages) -> list[Node]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from sbpc.compiler.ir.aten import is_mutating, is_random
+from sbpc.compiler.ir.aten import is_mutating, is_random, overwritten, shares_storage
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, TensorType
 from sbpc.compiler.pass_manager import Fact
@@ -63,6 +63,7 @@ class Overlap:
             for u in n.uses():
                 readers.setdefault(u, []).append(i)
         task = [(n.stage, n.role) for n in nodes]
+        root, writers = _storages(nodes)
         layer_start = _previous_layer_starts(nodes)
         # where each issue and wait goes: before the node at that index (ties keep program order)
         issue_at: dict[int, float] = {}
@@ -82,7 +83,9 @@ class Overlap:
             at = max([lo, *deps])
             floor = issue_at[i] = max(at, floor + 1e-3)  # issues keep their order
             end = len(nodes) if one_task else _task_end(task, i)
-            first = min([r for o in n.outputs for r in readers.get(o, [])], default=end)
+            # before its first reader, and before anything overwrites what it sends in place
+            first = min([r for o in n.outputs for r in readers.get(o, [])]
+                        + [j for r in {root[u] for u in n.uses()} for j in writers.get(r, []) if j > i], default=end)
             wait_at[i] = min(first, end) - 1e-3
         out: list[tuple[float, int, Node]] = []
         for i, n in enumerate(nodes):
@@ -100,7 +103,8 @@ class Overlap:
         out.sort(key=lambda t: (t[0], t[1]))
         nodes = [n for _, _, n in out]
         try:
-            check_issue_order([(n.op, n.outputs, list(n.uses()), (n.stage, n.role)) for n in nodes], one_task=one_task)
+            check_issue_order([(n.op, n.outputs, list(n.uses()), (n.stage, n.role), overwritten(n)) for n in nodes],
+                              one_task=one_task)
         except OrderError as err:  # a bug of this pass, not of the user's program
             raise CompileError(f"overlap: {err}") from err
         return replace(graph, nodes=nodes)
@@ -174,6 +178,29 @@ def _batch_cone(n: Node, nodes: list[Node], producer: dict[str, int], batch: set
     if sum(t.nbytes for j in cone for t in nodes[j].types) > HOIST_BYTES:
         return None
     return sorted(cone)
+
+
+def _storages(nodes: list[Node]) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Each value's storage (views and in-place results share their input's) and, per storage,
+    the nodes that overwrite it in place (the inplace pass's optimizer ops), in order."""
+    root: dict[str, str] = {}
+    writers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        over = overwritten(n)
+        for v in over:
+            writers.setdefault(root.setdefault(v, v), []).append(i)
+        first = next(iter(n.uses()), None)
+        for k, o in enumerate(n.outputs):
+            if over and len(over) == len(n.outputs):
+                root[o] = root[over[k]]
+            elif first is not None and shares_storage(n.op):
+                root[o] = root.setdefault(first, first)
+            else:
+                root[o] = o
+    for n in nodes:
+        for u in n.uses():
+            root.setdefault(u, u)  # program inputs
+    return root, writers
 
 
 def _issuable(n: Node) -> bool:

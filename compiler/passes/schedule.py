@@ -81,6 +81,29 @@ def task_graph(graph: Graph) -> TaskGraph:
     return TaskGraph(items, outs, graph.mesh.microbatches)
 
 
+def node_tasks(graph: Graph) -> list[tuple[int, str, int]]:
+    """The task (chunk, phase, part) of every node of a pipelined graph, as the runtime cuts them."""
+    task: list = [None] * len(graph.nodes)
+    for key, body in task_graph(graph).bodies.items():
+        for it in (*body.kernels, *body.recvs, *body.reads):
+            task[it.index] = key
+    return task
+
+
+def execution_positions(graph: Graph, tasks: list[tuple[int, str, int]] | None = None
+                        ) -> list[tuple[int, tuple[int, int]]]:
+    """Per node: its device stage and when it runs there, comparable within a stage. A one-program
+    plan runs in graph order; a pipeline stage runs its tasks in ``schedule.order[stage]`` and a
+    task's instructions in graph order, so a position is (the task's place in that order -- a
+    per-micro-batch task's last firing --, the graph index)."""
+    if graph.schedule is None:
+        return [(0, (0, i)) for i in range(len(graph.nodes))]
+    spec = graph.schedule
+    place = {(t.chunk, t.phase, t.part): k for dev in spec.order for k, t in enumerate(dev)}
+    tasks = tasks if tasks is not None else node_tasks(graph)
+    return [(key[0] % spec.stages, (place[key], i)) for i, key in enumerate(tasks)]
+
+
 def simulate_graph(graph: Graph, schedule: ScheduleName, virtual_stages: int, cost: TaskCost | None = None) -> Simulation:
     return simulate(task_graph(graph), schedule, graph.mesh.size("pp"), virtual_stages, cost)
 
