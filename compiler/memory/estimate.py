@@ -40,10 +40,10 @@ from sbpc.runtime.plan import RoleMemory
 
 # buckets whose results are pieces (views) of one flat tensor (runtime/collectives.py)
 _FLAT_RESULT = frozenset({Collective.ALL_REDUCE_COALESCED.op, Collective.REDUCE_SCATTER_COALESCED.op})
-# what carries a gradient to the optimizer; the cast too: under bf16 the gradient is accumulated
-# in bf16 and the update reads its fp32 copy
+# what carries a gradient to the optimizer; a cast and a pad too: under bf16 the gradient is
+# accumulated in bf16 and the update reads its fp32 copy, which ZeRO zero-pads to a dp multiple
 _PLUMBING = frozenset({ACCUMULATE, TRANSFER, ISSUE, WAIT, "aten.cat.default", "aten.view.default",
-                       "aten._unsafe_view.default", "aten._to_copy.default"})
+                       "aten._unsafe_view.default", "aten._to_copy.default", "aten.slice_backward.default"})
 # issued kinds whose result buffer is made at the issue (all-gathers receive into buffers of their own)
 _RESULT_AT_ISSUE = frozenset({Collective.ALL_REDUCE, Collective.ALL_REDUCE_COALESCED, Collective.REDUCE_SCATTER,
                               Collective.REDUCE_SCATTER_COALESCED})
@@ -191,7 +191,7 @@ def _terms(n: Node, value: str, grads: set[str]) -> tuple[Term, Term]:
 
 def _gradient_values(graph: Graph) -> set[str]:
     """The gradients and what carries them to the optimizer: walking back from each gradient
-    output through accumulators, collectives, buckets, views and casts, down to the op that
+    output through accumulators, collectives, buckets, views, casts and pads, down to the op that
     computed it."""
     producer = {o: n for n in graph.nodes for o in n.outputs}
     todo = [o.value for o in graph.outputs_of(OutputKind.GRAD)]
