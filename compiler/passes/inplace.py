@@ -322,7 +322,7 @@ def _slices(run: list[Node], sizes: tuple[int, ...], floor: int, outlive: set[st
     held = until = 0
     for k, n in enumerate(run):
         piece.append(n)
-        if not (_inplace_base(n.op) or returns_alias(n.op) or n.op in _VIEWS_TOO):
+        if not (overwritten(n) or returns_alias(n.op) or n.op in _VIEWS_TOO):
             for o, t, nd in zip(n.outputs, n.types, n.sbp or [None] * len(n.types)):
                 if o not in outlive and t.shape != ():
                     held += t.local_nbytes(nd, sizes)
