@@ -20,9 +20,9 @@ from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
-from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, first_readers,
-                                        in_flight, layer_key, optimizer_owners, place_backward,
-                                                    profile)
+from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, dependences,
+                                                    first_readers, in_flight, layer_key, optimizer_owners,
+                                                    place_backward, profile)
 from sbpc.errors import CompileError, UsageError
 
 _HINT_FIX = "check the sbpc.stage scopes and the [stages] globs of the parallel config (docs/pipeline.md)"
@@ -56,11 +56,7 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
     role = [n.role for n in nodes]
     fwd = [r == Role.FORWARD for r in role]
     producer = graph.producers()
-    preds = [sorted({producer[u] for u in n.uses() if u in producer}) for n in nodes]
-    readers: list[list[int]] = [[] for _ in nodes]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            readers[p].append(i)
+    preds, readers = dependences(graph)
     hint = _hints(graph, chunks, producer)
     if chunks == 1:
         return [0] * len(nodes)

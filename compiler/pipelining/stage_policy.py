@@ -208,12 +208,7 @@ def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -
     pass places them (``place_backward``); optimizer ops with their parameter's first reader."""
     nodes, types = graph.nodes, graph.value_types()
     group = list(group)
-    producer = graph.producers()
-    preds = [sorted({producer[u] for u in nd.uses() if u in producer}) for nd in nodes]
-    readers: list[list[int]] = [[] for _ in nodes]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            readers[p].append(i)
+    preds, readers = dependences(graph)
     # the pass's own rule, so each backward op is costed in the group it will run in
     place_backward(nodes, preds, readers, group, n - 1)
     first = first_readers(graph, group)
@@ -255,6 +250,17 @@ def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -
         if p.value in first:
             prof.static[first[p.value]] += 2 * p.type.nbytes + states.get(p.name, 0)
     return prof
+
+
+def dependences(graph: Graph) -> tuple[list[list[int]], list[list[int]]]:
+    """Per node: the nodes making what it reads (sorted), and the nodes reading what it makes."""
+    producer = graph.producers()
+    preds = [sorted({producer[u] for u in n.uses() if u in producer}) for n in graph.nodes]
+    readers: list[list[int]] = [[] for _ in graph.nodes]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            readers[p].append(i)
+    return preds, readers
 
 
 def place_backward(nodes: list[Node], preds: list[list[int]], readers: list[list[int]], where: list[int | None],
