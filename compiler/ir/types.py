@@ -129,7 +129,8 @@ class Node:
     stage: int | None = None  # placement: the pipeline stage
     sbp: list[NdSbp] | None = None  # one nd-SBP per output
     sbp_in: list[NdSbp] | None = None  # the nd-SBP it needs of each tensor use, in uses() order
-    why: str | None = None  # how propagation chose its signature (`sbpc explain`); not in the text IR
+    # how propagation (or a pass) chose it, for `sbpc explain`: not in the text IR, so not in a node's identity
+    why: str | None = field(default=None, compare=False)
     memory: MemoryKind = MemoryKind.DEVICE  # placement's memory: host for the offloaded optimizer
 
     def uses(self) -> Iterator[str]:
