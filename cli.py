@@ -74,7 +74,8 @@ def _compile(args: argparse.Namespace, enforce_budget: bool = True):
         rows = mesh.size("dp") * pipeline.microbatches
         args.batch_size = 4 if 4 % rows == 0 else rows
     if args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
+        raise UsageError(f"--batch-size {args.batch_size} must be at least 1",
+                         hint="the global batch size, a multiple of dp x micro-batches")
     result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
                            pipeline=pipeline, memory=memory_options_of(args, config), enforce_budget=enforce_budget)
     return result, source, optimizer
@@ -104,9 +105,9 @@ def pipeline_options(args, mesh, config):
     m = pick(args.microbatches, "microbatches")
     m = m if m is not None else pp
     if m < 1:
-        raise UsageError(f"--microbatches {m} must be at least 1")
+        raise UsageError(f"--microbatches {m} must be at least 1", hint=f"use --microbatches {max(pp, 1)} or more")
     if virtual < 1:
-        raise UsageError(f"--virtual-stages {virtual} must be at least 1")
+        raise UsageError(f"--virtual-stages {virtual} must be at least 1", hint="1 (no interleaving) or more")
     if virtual > 1 and schedule != ScheduleName.INTERLEAVED:
         raise UsageError(f"--virtual-stages {virtual} needs --schedule interleaved",
                          hint="virtual stages are chunks of the interleaved 1F1B schedule")

@@ -7,6 +7,7 @@ never grows with the number of devices.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -237,6 +238,14 @@ class Plan(_Model):
     estimates: Estimates
     pipeline: PipelineSpec | None = None  # None: one stage, one micro-batch
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    # sha256 of the rest of the plan, set by save_plan and checked by load_plan: the compiler
+    # verified what it wrote, and a hand edit (a mesh size, a shape) could run and compute
+    # something else without any error. None: unsigned, run as it is (delete the field to run
+    # an edited plan on purpose).
+    digest: str | None = None
+
+    def content_digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json(exclude={"digest"}).encode()).hexdigest()
 
     @property
     def world_size(self) -> int:
@@ -256,7 +265,7 @@ def mesh_coords(axes: list[tuple[str, int]], rank: int) -> dict[str, int]:
 
 
 def save_plan(plan: Plan, path: str) -> None:
-    write_atomic(path, plan.model_dump_json())
+    write_atomic(path, plan.model_copy(update={"digest": plan.content_digest()}).model_dump_json())
 
 
 def load_plan(path: str) -> Plan:
@@ -274,9 +283,13 @@ def load_plan(path: str) -> Plan:
         raise PlanError(f"plan {path} has schema_version {version!r}, this sbpc reads version {SCHEMA_VERSION}",
                         hint="recompile the plan with this version of sbpc")
     try:
-        return Plan.model_validate(raw)
+        plan = Plan.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise PlanError(f"plan {path} is malformed at {where}: {first['msg']}",
                         hint="the file was edited or corrupted; recompile it with sbpc compile") from err
+    if plan.digest is not None and plan.digest != plan.content_digest():
+        raise PlanError(f"plan {path} was changed after sbpc wrote it: its content does not match its digest",
+                        hint="recompile it with sbpc compile (to run an edited plan anyway, delete its \"digest\" field)")
+    return plan

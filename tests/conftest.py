@@ -39,10 +39,11 @@ def compile_example(name: str, **kw):
     return _compiled[key]
 
 
-def sbpc(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the installed `sbpc` console script as a user would."""
+def sbpc(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the installed `sbpc` console script as a user would (``env`` adds to the environment)."""
     exe = Path(sys.executable).parent / "sbpc"
-    return subprocess.run([str(exe), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(exe), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
 
 
 RANKS = ("threads", "processes")

@@ -5,7 +5,6 @@ import re
 
 import pytest
 
-from conftest import sbpc
 from sbpc.compiler.frontend.hints import glob_match, load_config
 from sbpc.errors import UsageError
 from sbpc.runtime.sbp import Split
@@ -54,17 +53,3 @@ def test_config_errors(tmp_path, text, pattern):
 def test_missing_config_file():
     with pytest.raises(UsageError, match=r"parallel config 'nope\.toml' does not exist"):
         load_config("nope.toml")
-
-
-def test_cli_config_error_is_one_line_exit_2(tmp_path):
-    path = _config(tmp_path, '[params]\n"h.*.nope" = { tp = "S(0)" }\n')
-    r = sbpc("compile", "examples/gpt.py", "--mesh", "1x2", "--config", path, "-o", str(tmp_path / "p.json"))
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-    assert re.search(r"parameter glob 'h\.\*\.nope' matches no parameter .*hint:", r.stderr)
-
-
-def test_in_code_shard_with_bad_sbp_names_the_line(tmp_path):
-    r = sbpc("compile", "tests/models/bad_shard.py", "--mesh", "1x2", "-o", str(tmp_path / "p.json"))
-    assert r.returncode == 2, r.stderr
-    assert re.search(r"bad SBP 'Q'.*tests/models/bad_shard\.py:\d+.*hint: write S\(dim\)", r.stderr), r.stderr

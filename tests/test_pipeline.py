@@ -180,6 +180,7 @@ def test_a_plan_with_an_edited_order_fails_before_it_can_hang(pp4_plan, tmp_path
     first = [{"chunk": 0, "phase": "fwd", "mb": 0, "part": 0}, {"chunk": 0, "phase": "bwd", "mb": 0, "part": 0}]
     order[0] = first + [t for t in order[0] if t not in first]  # stage 0: a backward right after one forward
     order[1] = sorted(order[1], key=lambda t: ["pre", "fwd", "bwd", "opt"].index(t["phase"]))  # stage 1: GPipe
+    del plan["digest"]  # run the edited plan on purpose: the runtime's own replay must catch it
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(plan))
     r = sbpc("run", str(bad), "--steps", "1", "--timeout", "30")
@@ -221,22 +222,3 @@ def test_a_dead_or_stuck_stage_ends_every_rank_naming_it(pp4_plan, mode):
         launch(4, "test_pipeline:misbehave", {"plan": str(pp4_plan), "victim": 2, "mode": mode, "timeout": 3},
                timeout=3)
     assert time.monotonic() - start < 60
-
-
-def test_microbatches_must_divide_the_batch_over_dp(tmp_path):
-    r = sbpc("compile", "examples/gpt.py", "--mesh", "2x1x2", "--microbatches", "4", "--batch-size", "4",
-             "-o", str(tmp_path / "p.json"))
-    assert r.returncode == 2
-    assert re.search(r"batch\.0 has shape \[4, 32\]: its batch dim does not divide over mb=4 x dp=2; "
-                     r"hint: use a --batch-size that is a multiple of 8", r.stderr)
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--virtual-stages", "2"], r"--virtual-stages 2 needs --schedule interleaved"),
-    (["--schedule", "interleaved", "--microbatches", "3"], r"micro-batches in groups of pp: 3 is not a multiple of 2"),
-    (["--microbatches", "0"], r"--microbatches 0 must be at least 1"),
-])
-def test_bad_pipeline_flags_are_one_line_errors(tmp_path, flags, message):
-    r = sbpc("compile", "examples/gpt.py", "--mesh", "1x1x2", *flags, "-o", str(tmp_path / "p.json"))
-    assert r.returncode == 2
-    assert re.search(message, r.stderr) and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -72,7 +72,8 @@ def parse_axes(spec: dict, where: str, known: tuple[str, ...] = _SBP_AXES) -> tu
         if axis not in known:
             raise UsageError(f"unknown mesh axis {axis!r} in a hint", location=where, hint=_AXES_HINT)
         if not isinstance(text, str):
-            raise UsageError(f"the SBP for axis {axis} must be a string such as \"S(0)\", not {text!r}", location=where)
+            raise UsageError(f"the SBP for axis {axis} must be a string such as \"S(0)\", not {text!r}", location=where,
+                             hint="quote it: S(dim) splits a tensor dim, B replicates, P is a partial sum")
         try:
             out.append((axis, parse_sbp(text)))
         except UsageError as err:
@@ -185,14 +186,16 @@ def load_config(path: str) -> ParallelConfig:
                               "[memory] (zero, recompute, precision, offload, device_memory)")
     for table in _TABLES:
         if not isinstance(raw.get(table, {}), dict):
-            raise UsageError(f"[{table}] must be a table", location=f"{path}:{_line_of(lines, table)}")
+            raise UsageError(f"[{table}] must be a table", location=f"{path}:{_line_of(lines, table)}",
+                             hint=f"write it as a [{table}] section; see docs/parallel.md")
     cfg = ParallelConfig(path=path)
     for table, dest in (("params", cfg.params), ("modules", cfg.modules)):
         for glob, spec in raw.get(table, {}).items():
             where = f"{path}:{_line_of(lines, glob, table)}"
             _check_glob(glob, table, where)
             if not isinstance(spec, dict):
-                raise UsageError(f"[{table}] {glob!r} must map axes to SBP, e.g. {{ tp = \"S(0)\" }}", location=where)
+                raise UsageError(f"[{table}] {glob!r} must map axes to SBP, e.g. {{ tp = \"S(0)\" }}", location=where,
+                                 hint="one SBP per mesh axis (dp, cp, tp), in an inline table")
             dest.append((glob, Hint(parse_axes(spec, where), where)))
     for glob, chunk in raw.get("stages", {}).items():
         where = f"{path}:{_line_of(lines, glob, 'stages')}"
@@ -220,7 +223,8 @@ def _pipeline(table: dict, path: str, lines: list[str]) -> PipelineConfig:
                          hint="keys: microbatches, schedule, virtual_stages")
     for key in ("microbatches", "virtual_stages"):
         if key in table and not _is_int(table[key], 1):
-            raise UsageError(f"[pipeline] {key} must be an integer >= 1, not {table[key]!r}", location=where(key))
+            raise UsageError(f"[pipeline] {key} must be an integer >= 1, not {table[key]!r}", location=where(key),
+                             hint=f"write {key} = 1 or more, unquoted")
     schedule = table.get("schedule")
     if schedule is not None:
         try:

@@ -54,7 +54,7 @@ class Mesh:
     def with_microbatches(self, m: int) -> "Mesh":
         """This mesh with ``m`` micro-batches per step (no ``mb`` axis when ``m`` is 1)."""
         if m < 1:
-            raise UsageError(f"--microbatches {m} must be at least 1")
+            raise UsageError(f"--microbatches {m} must be at least 1", hint="use --microbatches 1 or more")
         axes = dict(self.device_axes) | ({MICROBATCH: m} if m > 1 else {})
         return Mesh(tuple((n, axes[n]) for n in KNOWN_AXES if n in axes))
 
@@ -72,7 +72,8 @@ class Mesh:
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
-            raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices")
+            raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices",
+                             hint=f"ranks count from 0 to {self.world_size - 1}")
         return mesh_coords(list(self.device_axes), rank)
 
     def rank(self, coords: dict[str, int]) -> int:

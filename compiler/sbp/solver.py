@@ -10,6 +10,7 @@ from dataclasses import replace
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
+from sbpc.compiler.sbp.axis_use import MAX_PROBE
 from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
 from sbpc.compiler.sbp.layout import Layouts, NdSignature
@@ -118,10 +119,11 @@ class Solver:
     def _check_divides(self, t: TensorType, nd: NdSbp, what: str, where: str) -> None:
         axes, sizes = self.state.axes, self.state.sizes
         if not divides(t.shape, nd, sizes):
-            bad = next(f"{a}={k}" for a, k, s in zip(axes, sizes, nd) if isinstance(s, Split)
-                       and not divides(t.shape, tuple(x if x is s else Broadcast() for x in nd), sizes))
-            raise CompileError(f"SBP {format_nd_sbp(nd)} of {what} does not divide its shape {list(t.shape)} over {bad}",
-                               location=where, hint="pick a split dim whose size is a multiple of the axis size, or B")
+            a = next(a for a, s in enumerate(nd) if isinstance(s, Split)
+                     and not divides(t.shape, tuple(x if x is s else Broadcast() for x in nd), sizes))
+            raise CompileError(f"SBP {format_nd_sbp(nd)} of {what} does not divide its shape {list(t.shape)} over "
+                               f"{axes[a]}={sizes[a]}{_valid_sizes(t.shape, nd, sizes, a, axes[a])}",
+                               location=where, hint=_DIVIDE_HINT)
 
     def _hint_filters(self) -> None:
         st = self.state
@@ -137,8 +139,12 @@ class Solver:
                 src = next((i for i in st.graph.inputs if i.value == n.args[0].name), None)
                 what = f"{src.kind.value} {src.name!r}" if src else f"a {n.types[0].dtype} value"
                 over = ", ".join(f"{axes[a]}={sizes[a]}" for a in want if sizes[a] > 1)
-                raise CompileError(f"SBP {hint.spec()} of {what} does not divide its shape {list(n.types[0].shape)} over {over}",
-                                   location=hint.source, hint="pick a split dim whose size is a multiple of the axis size, or B")
+                shape = n.types[0].shape
+                nd = tuple(want.get(a, Broadcast()) for a in range(len(axes)))
+                valid = "".join(_valid_sizes(shape, nd, sizes, a, axes[a]) for a, s in want.items()
+                                if sizes[a] > 1 and isinstance(s, Split) and not divides(shape, nd, sizes))
+                raise CompileError(f"SBP {hint.spec()} of {what} does not divide its shape {list(shape)} over {over}{valid}",
+                                   location=hint.source, hint=_DIVIDE_HINT)
             for m in st.tied.get(idx, (idx,)):
                 st.cands[m] = ok
 
@@ -348,3 +354,13 @@ def _follows(state: tuple[int, ...], param: tuple[int, ...], nd: NdSbp) -> bool:
     axis splits."""
     split = {s.dim for s in nd if isinstance(s, Split)}
     return len(state) == len(param) and all(a == b or d not in split for d, (a, b) in enumerate(zip(state, param)))
+
+
+_DIVIDE_HINT = "use one of those sizes, or pick a split dim whose size is a multiple of the axis size, or B"
+
+
+def _valid_sizes(shape, nd: NdSbp, sizes, a: int, name: str) -> str:
+    """The suffix ``; valid tp for it: 1, 2, 4``: the sizes of axis ``a`` (up to MAX_PROBE, the
+    other axes kept) at which ``nd`` divides ``shape``, what the user may pick instead."""
+    valid = [k for k in range(1, MAX_PROBE + 1) if divides(shape, nd, tuple(k if b == a else s for b, s in enumerate(sizes)))]
+    return f"; valid {name} for it: {', '.join(map(str, valid))}"

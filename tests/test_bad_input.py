@@ -1,0 +1,328 @@
+"""The bad-input corpus: every malformed input ends in exit 2 and one line on stderr that names
+the culprit with a hint; no traceback, nothing half-written, no hang.
+
+One row per case in ``CASES``. ``argv`` is the command line, ``{tmp}`` standing for the case's
+own directory; ``setup(tmp)`` writes the files the case needs there first (a model, a config,
+an edited plan); ``culprit`` is the substring (or the substrings) the error line must contain;
+``env`` sets environment variables for the run (a launcher's RANK/WORLD_SIZE). Each case runs
+in this process through ``cli.main`` (fast); ``SUBPROCESS`` picks a few that also run as the
+real console script, to prove the exit code and the absence of a traceback end to end.
+To add a case, add a row: the checks come with it.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import sbpc
+
+SECONDS = 120  # a case that takes longer than this hangs
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: list[str]
+    culprit: str | tuple[str, ...]
+    setup: Callable[[Path], None] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def culprits(self) -> tuple[str, ...]:
+        return (self.culprit,) if isinstance(self.culprit, str) else self.culprit
+
+
+def write(name: str, text: str) -> Callable[[Path], None]:
+    """A setup that writes ``text`` (dedented) to ``{tmp}/name``."""
+    return lambda tmp: (tmp / name).write_text(textwrap.dedent(text).lstrip("\n"))
+
+
+_plans: dict[str, str] = {}
+
+
+def compiled(edit: Callable[[str], str] | None = None, *sets: str) -> Callable[[Path], None]:
+    """A setup that writes ``{tmp}/plan.json``: examples/mlp.py compiled for mesh 1 (once per
+    session), passed through ``edit`` (text -> text) when given."""
+    def setup(tmp: Path) -> None:
+        key = " ".join(sets)
+        if key not in _plans:
+            from sbpc.cli import main
+
+            out = tmp / "_compiled.json"
+            assert main(["compile", "examples/mlp.py", *sets, "-o", str(out)]) == 0
+            _plans[key] = out.read_text()
+            out.unlink()
+        (tmp / "plan.json").write_text(edit(_plans[key]) if edit else _plans[key])
+    return setup
+
+
+def edit_json(change: Callable[[dict], None]) -> Callable[[str], str]:
+    def edit(text: str) -> str:
+        raw = json.loads(text)
+        change(raw)
+        return json.dumps(raw)
+    return edit
+
+
+def _set(path: str, value) -> Callable[[dict], None]:
+    def change(raw: dict) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[int(last) if isinstance(node, list) else last] = value
+    return change
+
+
+EDITED = "was changed after sbpc wrote it: its content does not match its digest"
+MLP = ["compile", "examples/mlp.py", "-o", "{tmp}/plan.json"]
+GPT_TP = ["compile", "examples/gpt.py", "--config", "examples/gpt.megatron.toml", "--set", "layers=1", "-o", "{tmp}/p.json"]
+
+
+def config(text: str, model: str = "examples/mlp.py", mesh: str = "1x2") -> tuple[list[str], Callable[[Path], None]]:
+    """argv and setup of a compile with the parallel config ``text``."""
+    return (["compile", model, "--mesh", mesh, "--config", "{tmp}/parallel.toml", "-o", "{tmp}/p.json"],
+            write("parallel.toml", text))
+
+
+def _config_case(name: str, text: str, culprit, **kw) -> Case:
+    argv, setup = config(text, **kw)
+    return Case(name, argv, culprit, setup)
+
+
+CASES = [
+    # --- the command line -------------------------------------------------------------------
+    Case("no-command", [], "the following arguments are required: command"),
+    Case("unknown-flag", ["compile", "examples/mlp.py", "--frob"], "unrecognized arguments: --frob"),
+    Case("batch-size-not-int", ["compile", "examples/mlp.py", "--batch-size", "x"],
+         "argument --batch-size: invalid int value: 'x'"),
+    Case("batch-size-zero", [*MLP, "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    Case("microbatches-zero", [*MLP, "--microbatches", "0"], "--microbatches 0 must be at least 1"),
+    Case("virtual-stages-without-interleaved", [*MLP, "--mesh", "1x1x2", "--virtual-stages", "2"],
+         "--virtual-stages 2 needs --schedule interleaved"),
+    Case("interleaved-microbatches-not-multiple", [*MLP, "--mesh", "1x1x2", "--schedule", "interleaved",
+                                                   "--microbatches", "3"],
+         "micro-batches in groups of pp: 3 is not a multiple of 2"),
+    Case("set-without-equals", [*MLP, "--set", "layers"], "bad --set 'layers'"),
+    Case("set-without-key", [*MLP, "--set", "=4"], "bad --set '=4'"),
+    Case("set-bad-key", [*MLP, "--set", "9x=1"], "bad --set '9x=1'"),
+    Case("set-key-not-taken", [*MLP, "--set", "depth=3"],
+         "build_model() in examples/mlp.py does not accept these --set values"),
+    Case("set-value-rejected", [*MLP[:1], "examples/gpt.py", *MLP[2:], "--set", "preset=huge"],
+         ("rejected the --set values: unknown preset 'huge'", "(at examples/gpt.py:")),
+    # --- mesh strings -----------------------------------------------------------------------
+    Case("mesh-size-zero", [*MLP, "--mesh", "2x0"], "bad mesh size '0'"),
+    Case("mesh-word", [*MLP, "--mesh", "big"], "bad mesh size 'big'"),
+    Case("mesh-unknown-axis", [*MLP, "--mesh", "dp=2,foo=2"], "unknown mesh axis 'foo'"),
+    Case("mesh-four-positional-axes", [*MLP, "--mesh", "1x1x1x1"], "has 4 axes"),
+    Case("mesh-axis-twice", [*MLP, "--mesh", "dp=1,dp=1"], "names an axis twice"),
+    Case("mesh-named-size-zero", [*MLP, "--mesh", "dp=0,tp=2"], "bad mesh size '0' in 'dp=0,tp=2'"),
+    Case("mesh-empty", [*MLP, "--mesh", ""], "empty --mesh"),
+    Case("mesh-negative", [*MLP, "--mesh", "dp=-1"], "dp=-1"),
+    # --- SBP strings and the parallel config (TOML) -----------------------------------------
+    _config_case("sbp-unknown-letter", '[params]\n"layers.0.weight" = { tp = "Q" }\n',
+                 ("bad SBP 'Q'", "parallel.toml:2")),
+    _config_case("sbp-split-dim-word", '[params]\n"layers.0.weight" = { tp = "S(x)" }\n', ("bad SBP 'S(x)'",)),
+    _config_case("sbp-not-a-string", '[params]\n"layers.0.weight" = { tp = 0 }\n',
+                 ("the SBP for axis tp must be a string", "parallel.toml:2")),
+    _config_case("sbp-dim-beyond-rank", '[params]\n"layers.0.weight" = { tp = "S(2)" }\n',
+                 ("S(2)", "layers.0.weight")),
+    _config_case("sbp-unknown-axis", '[params]\n"layers.0.weight" = { xp = "S(0)" }\n',
+                 "unknown mesh axis 'xp' in a hint"),
+    _config_case("sbp-glob-matches-nothing", '[params]\n"h.*.nope" = { tp = "S(0)" }\n',
+                 "parameter glob 'h.*.nope' matches no parameter"),
+    Case("sbp-in-code-bad", ["compile", "tests/models/bad_shard.py", "--mesh", "1x2", "-o", "{tmp}/p.json"],
+         ("bad SBP 'Q'", "tests/models/bad_shard.py:", "hint: write S(dim)")),
+    Case("config-missing", [*MLP, "--config", "{tmp}/nope.toml"], "parallel config '{tmp}/nope.toml' does not exist"),
+    _config_case("config-broken-toml", '[params\n"w" = 1\n', "is not valid TOML"),
+    _config_case("config-unknown-table", "[parms]\n", "unknown table [parms]"),
+    _config_case("config-unknown-memory-key", "[memory]\nzero = 1\nzeroo = 2\n",
+                 ("[memory] has unknown key 'zeroo'", "parallel.toml:3")),
+    _config_case("config-unknown-pipeline-key", "[pipeline]\nmicro_batches = 2\n",
+                 "[pipeline] has unknown key 'micro_batches'"),
+    _config_case("config-table-not-a-table", "params = 3\n", "[params] must be a table"),
+    _config_case("config-microbatches-zero", "[pipeline]\nmicrobatches = 0\n",
+                 "[pipeline] microbatches must be an integer >= 1"),
+    _config_case("config-unknown-schedule", '[pipeline]\nschedule = "zigzag"\n', "[pipeline] schedule must be one of"),
+    # --- sizes the mesh cannot divide (the message lists the valid degrees) ------------------
+    Case("vocab-tp", [*GPT_TP, "--mesh", "1x2", "--set", "vocab=255"],
+         ("SBP tp=S(0) of param 'wte.weight' does not divide its shape [255, 64] over tp=2; "
+          "valid tp for it: 1, 3, 5, 15, 17, 51", "gpt.megatron.toml:")),
+    Case("hidden-tp", [*GPT_TP, "--mesh", "1x3", "--set", "vocab=384"],
+         "of param 'h.0.attn.c_proj.weight' does not divide its shape [64, 64] over tp=3; "
+         "valid tp for it: 1, 2, 4, 8, 16, 32, 64"),
+    # heads that do not divide over tp are not an error by themselves (the solver boxes around
+    # them, and the plan stays exact); a model in which nothing divides is
+    Case("heads-tp", ["compile", "tests/models/four_heads.py", "--mesh", "1x3", "-o", "{tmp}/p.json"],
+         "tp=3 splits no tensor of the model: no forward op of it can split its tensors over 3 devices; "
+         "valid tp: 1, 2, 4, 8, 16, 32, 64"),
+    Case("layers-pp", [*MLP, "--mesh", "1x1x8"],
+         ("pp=8 needs a layer unit per pipeline stage, but the model has only 6", "the maximum pp is 6")),
+    Case("batch-dp", [*MLP, "--mesh", "4x1", "--batch-size", "6"],
+         ("its batch dim does not divide over dp=4", "use a --batch-size that is a multiple of 4")),
+    Case("batch-microbatches-dp", [*MLP, "--mesh", "2x1x2", "--microbatches", "4", "--batch-size", "4"],
+         "batch.0 has shape [4, 32]: its batch dim does not divide over mb=4 x dp=2; "
+         "hint: use a --batch-size that is a multiple of 8"),
+    # --- model files ------------------------------------------------------------------------
+    Case("model-missing", ["compile", "nope/missing.py"], "model file 'nope/missing.py' does not exist"),
+    Case("model-syntax-error", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("syntax error in model file", "{tmp}/model.py:3"),
+         write("model.py", "import torch\n\ndef build_model(:\n    pass\n")),
+    Case("model-import-fails", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("No module named 'no_such_package'", "model.py:2"),
+         write("model.py", "import torch\nimport no_such_package\n")),
+    Case("model-no-build-model", ["compile", "tests/models/no_build.py"], "has no function build_model()"),
+    Case("model-build-raises", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("build_model() failed", "model.py:4"),
+         write("model.py", """
+             import torch
+
+             def build_model():
+                 raise RuntimeError("out of ideas")
+
+             def example_batch(batch_size):
+                 return (torch.randn(batch_size, 4),)
+             """)),
+    Case("model-batch-not-tensors", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         "example_batch() in {tmp}/model.py must return a tensor or a tuple of tensors, got str",
+         write("model.py", """
+             import torch
+
+             def build_model():
+                 return torch.nn.Linear(4, 1)
+
+             def example_batch(batch_size):
+                 return "tokens"
+             """)),
+    Case("model-forward-not-scalar", ["compile", "tests/models/not_scalar.py", "-o", "{tmp}/p.json"],
+         "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
+    Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
+         "cannot trace forward(): data-dependent control flow (at tests/models/data_dependent.py:11)"),
+    Case("model-in-place-buffer", ["compile", "tests/models/inplace_buffer.py", "-o", "{tmp}/p.json"],
+         "forward() updates buffer 'bn.num_batches_tracked' in place (aten.add_.Tensor) "
+         "(at bn @ tests/models/inplace_buffer.py:13)"),
+    Case("model-converts-built-module", ["compile", "tests/models/to_dtype.py", "-o", "{tmp}/p.json"],
+         ("build_model() failed", "Couldn't swap Linear.weight (at tests/models/to_dtype.py:9)",
+          "create the parameters in their dtype instead")),
+    # --- plan files -------------------------------------------------------------------------
+    Case("plan-missing", ["run", "does/not/exist.json"], "plan file 'does/not/exist.json' does not exist"),
+    Case("plan-not-json", ["run", "{tmp}/plan.json"], ("is not valid JSON", "plan.json:1:"),
+         write("plan.json", '{"schema_version": 2, "stages": [')),
+    Case("plan-truncated", ["run", "{tmp}/plan.json"], ("is not valid JSON", "truncated"),
+         compiled(lambda text: text[: len(text) // 2])),
+    Case("plan-other-schema-version", ["inspect", "{tmp}/plan.json"], "schema_version 99, this sbpc reads version 2",
+         compiled(edit_json(_set("schema_version", 99)))),
+    Case("plan-no-schema-version", ["run", "{tmp}/plan.json"], "schema_version None",
+         write("plan.json", "[1, 2]")),
+    Case("plan-malformed", ["run", "{tmp}/plan.json"], "is malformed at",
+         write("plan.json", json.dumps({"schema_version": 2, "stages": 3}))),
+    Case("plan-edited-field-type", ["run", "{tmp}/plan.json", "--steps", "1"], "is malformed at mesh.0.size",
+         compiled(edit_json(_set("mesh.0.size", "two")))),
+    Case("plan-edited-mesh-size", ["run", "{tmp}/plan.json", "--steps", "1"], EDITED,
+         compiled(edit_json(_set("mesh.0.size", 2)))),
+    Case("plan-edited-shape", ["run", "{tmp}/plan.json", "--steps", "1"], EDITED,
+         compiled(edit_json(_set("params.0.shape", [3, 3])))),
+    Case("plan-edited-instruction-removed", ["inspect", "{tmp}/plan.json"], EDITED,
+         compiled(edit_json(lambda raw: raw["stages"][0]["instructions"].pop(0)))),
+    Case("plan-unsigned-and-broken", ["run", "{tmp}/plan.json", "--steps", "1"],
+         "plan reads value %t (argument) before it is defined",
+         compiled(edit_json(lambda raw: (raw.pop("digest"), raw["stages"][0]["instructions"].pop(0))))),
+    Case("plan-wrong-world-size", ["run", "{tmp}/plan.json", "--steps", "1"],
+         "plan is for 1 ranks but WORLD_SIZE is 3", compiled(), env={"RANK": "0", "WORLD_SIZE": "3"}),
+    Case("plan-world-size-not-int", ["run", "{tmp}/plan.json", "--steps", "1"],
+         "environment variable WORLD_SIZE='four' is not an integer", compiled(), env={"RANK": "0", "WORLD_SIZE": "four"}),
+    Case("explain-unknown-tensor", ["explain", "{tmp}/plan.json", "nope"], "no value or parameter named 'nope'",
+         compiled()),
+    # --- run flags --------------------------------------------------------------------------
+    Case("run-negative-steps", ["run", "{tmp}/plan.json", "--steps", "-1"], "--steps -1 is negative", compiled()),
+    Case("run-zero-timeout", ["run", "{tmp}/plan.json", "--timeout", "0"], "--timeout 0 must be positive", compiled()),
+    Case("run-unknown-backend", ["run", "{tmp}/plan.json", "--backend", "tpu"], "tpu", compiled()),
+    Case("run-weights-missing", ["run", "{tmp}/plan.json", "--weights", "{tmp}/w.pt"], "{tmp}/w.pt", compiled()),
+    Case("run-weights-garbage", ["run", "{tmp}/plan.json", "--weights", "{tmp}/w.pt"], "w.pt",
+         lambda tmp: (compiled()(tmp), (tmp / "w.pt").write_text("not a state dict"))),
+    # --- outputs that cannot be written (checked before the work) ---------------------------
+    Case("output-dir-missing", ["compile", "examples/mlp.py", "-o", "/nonexistent/dir/plan.json"],
+         "cannot write the plan (--output) to '/nonexistent/dir/plan.json': directory '/nonexistent/dir' does not exist"),
+    Case("output-is-a-dir", ["compile", "examples/mlp.py", "-o", "{tmp}"],
+         "cannot write the plan (--output) to '{tmp}': it is a directory"),
+    # /sys refuses new files even to root (a read-only directory would not stop root)
+    Case("output-no-permission", ["compile", "examples/mlp.py", "-o", "/sys/sbpc-plan.json"],
+         "'/sys/sbpc-plan.json': Permission denied"),
+    Case("trace-dir-missing", [*MLP, "--trace", "/nonexistent/sim.json"],
+         "cannot write the simulated trace (--trace) to '/nonexistent/sim.json'"),
+    Case("dump-dir-is-a-file", [*MLP, "--dump-dir", "{tmp}/file"],
+         "cannot write the IR dumps (--dump-dir) into '{tmp}/file': it is a file, not a directory",
+         write("file", "")),
+    Case("run-save-dir-missing", ["run", "{tmp}/missing.json", "--save", "/nonexistent/out.pt"],
+         "cannot write the weights (--save) to '/nonexistent/out.pt'"),
+    Case("run-trace-dir-missing", ["run", "{tmp}/missing.json", "--trace", "/nonexistent/out.json"],
+         "cannot write the trace (--trace) to '/nonexistent/out.json'"),
+    Case("opt-missing-file", ["opt", "{tmp}/x.sbpir"], "IR file '{tmp}/x.sbpir' does not exist"),
+    Case("opt-unknown-pass", ["opt", "tests/golden/dce.sbpir", "-p", "dce,frob"], "unknown pass 'frob'"),
+    # --- data files (sbpc train / --data): the train helper adds its rows here -------------
+    # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here
+]
+
+SUBPROCESS = ["model-syntax-error", "plan-wrong-world-size", "unknown-flag"]
+
+
+def _listing(tmp: Path) -> set[str]:
+    return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
+
+
+def _check(case: Case, tmp: Path, code: int, stderr: str, before: set[str]) -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2, f"{case.name}: exit {code}\n{stderr}"
+    assert "Traceback" not in stderr, f"{case.name}:\n{stderr}"
+    assert len(lines) == 1, f"{case.name}: {len(lines)} lines on stderr\n{stderr}"
+    for culprit in case.culprits():
+        assert culprit.format(tmp=tmp) in lines[0], f"{case.name}: {culprit!r} not in\n{lines[0]}"
+    assert "hint:" in lines[0], f"{case.name}: no hint in\n{lines[0]}"
+    assert _listing(tmp) == before, f"{case.name}: left {sorted(_listing(tmp) - before)}"
+
+
+def _alarm(signum, frame):
+    raise TimeoutError(f"a bad-input case ran over {SECONDS}s (a hang?)")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bad_input_in_process(case, tmp_path, capsys, monkeypatch):
+    from sbpc.cli import main
+
+    if case.setup:
+        case.setup(tmp_path)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    before = _listing(tmp_path)
+    capsys.readouterr()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(SECONDS)
+    try:
+        code = main([a.format(tmp=tmp_path) for a in case.argv])
+    except SystemExit as stop:  # argparse's usage errors exit
+        code = stop.code
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    _check(case, tmp_path, code, capsys.readouterr().err, before)
+
+
+@pytest.mark.parametrize("name", SUBPROCESS)
+def test_bad_input_end_to_end(name, tmp_path):
+    """The console script as a user runs it: exit code 2, one line, no traceback."""
+    case = next(c for c in CASES if c.name == name)
+    if case.setup:
+        case.setup(tmp_path)
+    before = _listing(tmp_path)
+    proc = sbpc(*[a.format(tmp=tmp_path) for a in case.argv], timeout=SECONDS, env=case.env)
+    _check(case, tmp_path, proc.returncode, proc.stderr, before)
+
+
+def test_corpus_is_large_and_names_are_unique():
+    assert len(CASES) >= 30 and len({c.name for c in CASES}) == len(CASES)
+    assert set(SUBPROCESS) <= {c.name for c in CASES}
