@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, memory, inspect, run, check, explain, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, run, check, explain, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -194,6 +194,15 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    from sbpc.compiler.tools.diff import diff_plans, diff_text
+    from sbpc.runtime.plan import load_plan
+
+    d = diff_plans(load_plan(args.a), load_plan(args.b), args.a, args.b)
+    print(d.model_dump_json(indent=1) if args.json else diff_text(d, show_all=args.all))
+    return 0
+
+
 def cmd_check(args) -> int:
     from sbpc.compiler.tools.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
@@ -283,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--schedule", action="store_true", help="print the pipeline schedule (per-stage firing order, regsts, "
                                                          "bubble) instead")
     i.set_defaults(fn=cmd_inspect)
+    d = sub.add_parser("diff", help="compare two plans by meaning: SBP changes, collectives, bytes, memory, step time")
+    d.add_argument("a", help="the plan compared from")
+    d.add_argument("b", help="the plan compared to")
+    d.add_argument("--json", action="store_true", help="print the diff as JSON (the PlanDiff model, every change) instead")
+    d.add_argument("--all", action="store_true", help="list every changed name, not the first few of each change")
+    d.set_defaults(fn=cmd_diff)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
@@ -310,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, r, k, e, s, o):
+    for sp in (c, mm, i, d, r, k, e, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -47,7 +47,11 @@ class RooflineCost:
     link_bytes_per_s: float = 10e9
 
     def op(self, node: Node, types: dict[str, TensorType]) -> float:
-        return max(self.memory.compute(touched_bytes(node, types)), flops(node, types) / self.flops_per_s)
+        return self.seconds(flops(node, types), touched_bytes(node, types))
+
+    def seconds(self, flop_count: float, nbytes: int) -> float:
+        """A kernel of ``flop_count`` flops touching ``nbytes``: the roofline's larger term."""
+        return max(self.memory.compute(nbytes), flop_count / self.flops_per_s)
 
     def transfer(self, nbytes: int) -> float:
         return nbytes / self.link_bytes_per_s

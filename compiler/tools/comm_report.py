@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sbpc.runtime import plan as P
 from sbpc.compiler.ir.types import TensorType
 from sbpc.runtime.kinds import Collective as Kind
+from sbpc.runtime.kinds import WAIT
 from sbpc.runtime.overlap import blocking, uses
 from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.sbp import parse_nd_sbp
@@ -32,6 +33,8 @@ class Collective:
     value: str
     nbytes: int  # bytes each device holds of the input
     call: int = 0  # tensors fused into one call (a gradient bucket) share it
+    chunk: int = 0  # the stage program (pipeline chunk) that makes the call
+    index: int = 0  # the call's position in that program (an overlapped one's sbpc.issue)
 
     @property
     def moves_data(self) -> bool:
@@ -41,7 +44,7 @@ class Collective:
 def collectives(plan: P.Plan) -> list[Collective]:
     sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
     out = []
-    for call, ins in enumerate(_calls(plan)):
+    for call, (chunk, index, ins) in enumerate(_calls(plan)):
         kind, bucket = _kind(ins.op), Kind.of(ins.op)
         if bucket is not None and bucket.single != bucket:  # a bucket: one call, counted per tensor
             kind, values = bucket.single.value, [a.ref for a in ins.args[0]]
@@ -56,35 +59,58 @@ def collectives(plan: P.Plan) -> list[Collective]:
             # a send/recv between stages crosses pp; a to_host / to_device, the device's link to its host
             axis = "pp" if kind == "transfer" else "host" if Kind(kind).memory_after else str(ins.kwargs.get("axis"))
             out.append(Collective(kind, axis, ins.role, ins.loc.module if ins.loc else "",
-                                  str(ins.loc) if ins.loc else "", value, nbytes, call))
+                                  str(ins.loc) if ins.loc else "", value, nbytes, call, chunk, index))
     return out
 
 
 def _calls(plan: P.Plan):
-    """The plan's instructions, an issued collective as the blocking call it stands for."""
+    """(chunk, position, instruction) of the plan's instructions, an issued collective as the
+    blocking call it stands for, at its issue's position."""
     for st in plan.stages:
-        yield from blocking(st.instructions)
+        positions = [k for k, ins in enumerate(st.instructions) if ins.op != WAIT]  # blocking() drops the waits
+        for k, ins in zip(positions, blocking(st.instructions)):
+            yield st.stage, k, ins
+
+
+@dataclass(frozen=True)
+class StepTotal:
+    """The collectives of one kind on one mesh axis in one phase, counted per step."""
+    kind: str
+    axis: str
+    role: str
+    tensors: int  # per micro-batch for pre/fwd/bwd, per step for opt
+    calls: int  # per step: a bucket is one call, a micro-batch's collectives run once per micro-batch
+    nbytes: int  # per step, each device's input bytes
+
+
+def per_step(plan: P.Plan) -> list[StepTotal]:
+    """The plan's communication per (kind, axis, phase), sorted by those."""
+    # a pipelined plan runs its pre/fwd/bwd collectives once per micro-batch
+    m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    times = lambda role: m if role in ("pre", "fwd", "bwd") else 1
+    groups: dict[tuple[str, str, str], list[Collective]] = {}
+    for c in collectives(plan):
+        if c.moves_data:
+            groups.setdefault((c.kind, c.axis, c.role), []).append(c)
+    return [StepTotal(kind, axis, role, len(cs), len({c.call for c in cs}) * times(role),
+                      sum(c.nbytes for c in cs) * times(role))
+            for (kind, axis, role), cs in sorted(groups.items())]
 
 
 def summary(plan: P.Plan) -> str:
-    cs = [c for c in collectives(plan) if c.moves_data]
-    if not cs:
+    totals = per_step(plan)
+    if not totals:
         return "// no collectives: every op runs on its own shard"
-    # a pipelined plan runs its pre/fwd/bwd collectives once per micro-batch
     m = plan.pipeline.microbatches if plan.pipeline is not None else 1
-    times = lambda c: m if c.role in ("pre", "fwd", "bwd") else 1
-    first = {}
-    for c in cs:
-        first.setdefault(c.call, c)
-    calls = sum(times(c) for c in first.values())
-    fused = f" ({sum(times(c) for c in cs)} tensors)" if len(first) != len(cs) else ""
+    times = lambda role: m if role in ("pre", "fwd", "bwd") else 1
+    calls = sum(t.calls for t in totals)
+    tensors = sum(t.tensors * times(t.role) for t in totals)
+    fused = f" ({tensors} tensors)" if tensors != calls else ""
     per_mb = f" ({m} micro-batches)" if m > 1 else ""
-    lines = [f"// {calls} collective calls per step{per_mb}{fused}, "
-             f"{sum(c.nbytes * times(c) for c in cs) / 2**20:.2f} MiB in:"]
-    counts = Counter((c.kind, c.axis, c.role) for c in cs)
-    for (kind, axis, role), n in sorted(counts.items()):
-        each = f" ({n} per micro-batch)" if m > 1 and role in ("pre", "fwd", "bwd") else ""
-        lines.append(f"//   {n * (m if each else 1):4d} x {kind:<15} on {axis:<3} {role}{each}")
+    lines = [f"// {calls} collective calls per step{per_mb}{fused}, {sum(t.nbytes for t in totals) / 2**20:.2f} MiB in:"]
+    for t in totals:
+        each = f" ({t.tensors} per micro-batch)" if times(t.role) > 1 else ""
+        lines.append(f"//   {t.tensors * times(t.role):4d} x {t.kind:<15} on {t.axis:<3} {t.role}{each}")
     return "\n".join(lines)
 
 
