@@ -236,6 +236,10 @@ CASES = [
          "plan is for 1 ranks but WORLD_SIZE is 3", compiled(), env={"RANK": "0", "WORLD_SIZE": "3"}),
     Case("plan-world-size-not-int", ["run", "{tmp}/plan.json", "--steps", "1"],
          "environment variable WORLD_SIZE='four' is not an integer", compiled(), env={"RANK": "0", "WORLD_SIZE": "four"}),
+    Case("diff-plan-missing", ["diff", "{tmp}/plan.json", "does/not/exist.json"],
+         "plan file 'does/not/exist.json' does not exist", compiled()),
+    Case("diff-plan-not-json", ["diff", "{tmp}/plan.json", "{tmp}/plan.json"], "is not valid JSON",
+         write("plan.json", "{")),
     Case("explain-unknown-tensor", ["explain", "{tmp}/plan.json", "nope"], "no value or parameter named 'nope'",
          compiled()),
     # --- run flags --------------------------------------------------------------------------
