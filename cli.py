@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, memory, inspect, diff, run, check, explain, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, run, check, explain, simulate, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -262,6 +262,29 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from sbpc.compiler.tools.cluster import load_cluster
+    from sbpc.compiler.tools.simulate import result_text, simulate, write_sim_trace
+    from sbpc.runtime.plan import load_plan
+
+    if args.trace:
+        from sbpc.runtime.files import check_output_path
+
+        check_output_path(args.trace, "simulated trace (--trace)")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError(f"--layers {args.layers} must be at least 1")
+    cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan)
+    if args.trace:
+        result = write_sim_trace(plan, cluster, args.trace, attention=args.attention, layers=args.layers)
+    else:
+        result = simulate(plan, cluster, attention=args.attention, layers=args.layers)
+    print(result.model_dump_json(indent=1) if args.json else result_text(result))
+    if args.trace and not args.json:
+        print(f"wrote the simulated timeline to {args.trace}")
+    return 0
+
+
 def cmd_schema(args) -> int:
     from sbpc.runtime.plan import Plan
 
@@ -319,13 +342,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("plan")
     e.add_argument("tensor", help="a parameter name (h.0.attn.c_attn.weight) or a value (%%addmm)")
     e.set_defaults(fn=cmd_explain)
+    sm = sub.add_parser("simulate", help="predict a plan's step on a cluster: time, throughput, MFU, bubble, comm")
+    sm.add_argument("plan")
+    sm.add_argument("--cluster", required=True, metavar="NAME|FILE",
+                    help="a preset (dgx-a100-80g, dgx-h100, h200) or a cluster TOML file (docs/cost_model.md)")
+    sm.add_argument("--json", action="store_true", help="print the result as JSON (step_time_s, tokens_per_s, "
+                                                       "tflops_per_device, mfu, bubble, comm, roles, ...)")
+    sm.add_argument("--trace", metavar="FILE", help="also write the simulated timeline (Chrome/Perfetto JSON)")
+    sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
+                    help="the attention kernel: flash (fused, default) or materialized (s x s scores in memory, "
+                         "as Megatron-LM before flash attention)")
+    sm.add_argument("--layers", type=int, metavar="N",
+                    help="the plan's repeated layer (h.0, h.1, ...) stands for N identical layers (docs/cost_model.md)")
+    sm.set_defaults(fn=cmd_simulate)
     s = sub.add_parser("schema", help="print the JSON Schema of the plan format")
     s.set_defaults(fn=cmd_schema)
     o = sub.add_parser("opt", help="run passes over a text-IR file and print the result")
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, r, k, e, s, o):
+    for sp in (c, mm, i, d, r, k, e, sm, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

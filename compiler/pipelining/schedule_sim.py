@@ -155,6 +155,12 @@ def _interleaved_order(deps, p: int, m: int, v: int, limits: list[int]) -> list[
     return order
 
 
+def timed(graph: TaskGraph, order: list[list[Task]], cost: TaskCost, limits: list[int]) -> Simulation:
+    """The timeline of the per-device orders ``order`` (a plan's ``pipeline.order``) with task
+    durations from ``cost``: what `sbpc simulate` runs over a cluster's cost model."""
+    return _timed(order, {t: graph.deps(t) for t in graph.tasks()}, cost, limits)
+
+
 def _timed(order: list[list[Task]], deps, cost: TaskCost, limits: list[int]) -> Simulation:
     """The timeline of a fixed per-device order: each task starts when its device is free and
     what it reads is done."""

@@ -11,13 +11,22 @@ from the forward to the backward (activations saved for the backward, per in-fli
 micro-batch). At 0 (the default) the search minimises time alone. Under ``--device-memory`` the
 driver raises the price along ``MEMORY_PRICES`` until the plan fits (``compiler/driver.py``):
 the price is the policy, the solver only adds ``memory(bytes)`` to what it minimises.
+
+``ClusterCost`` is the model of a described cluster (FLOPs and bytes per op over the device's
+peaks, collectives over the links the rank map puts each group on); ``sbpc simulate`` runs
+plans over it (compiler/tools/simulate.py, docs/cost_model.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sbpc.runtime.kinds import Collective
+
+if TYPE_CHECKING:
+    from sbpc.compiler.sbp.op_work import Kernel
+    from sbpc.compiler.tools.cluster import AxisGroups, Cluster
 
 
 class CostModel(Protocol):
@@ -92,3 +101,110 @@ class AlphaBeta:
 # the same bytes (at scale, Megatron's choice: keep the sequence-parallel input, gather it again
 # in the backward); the steeper ones also outweigh the per-call costs of small tensors.
 MEMORY_PRICES = (0.0, 1.0, 16.0, 256.0)
+
+
+@dataclass(frozen=True)
+class ClusterCost:
+    """The cost model of a described cluster (``compiler/tools/cluster.py``) for a mesh.
+
+    Kernels: the roofline of the op's work (``op_work``), ``max(flops / (peak x efficiency of
+    its class), bytes / (memory bandwidth x memory efficiency))``. Collectives: ring (or,
+    where latency wins, double binary tree) over the link the group really uses: the intra-node
+    link for a group inside a node; the NIC for one whose members sit one per node; and for a
+    group with several members on each of several nodes the hierarchical algorithm: a
+    reduce-scatter inside the node, the all-reduce of a 1/local share across nodes (every
+    device on its own NIC), an all-gather inside the node. ``mesh`` is in rank order."""
+    cluster: "Cluster"
+    mesh: tuple[tuple[str, int], ...]
+    memory_price: float = 0.0
+
+    @property
+    def groups(self) -> dict[str, "AxisGroups"]:
+        from sbpc.compiler.tools.cluster import axis_groups
+
+        return axis_groups(list(self.mesh), self.cluster.node.devices)
+
+    # ----- kernels
+    def kernel(self, k: "Kernel", dtype: str) -> float:
+        from sbpc.compiler.sbp.op_work import OpClass
+
+        c, eff = self.cluster, self.cluster.efficiency
+        bw = c.device.memory_bandwidth * eff.memory
+        if k.klass == OpClass.MEMORY:
+            return c.device.kernel_overhead + k.nbytes / bw
+        share = eff.gemm if k.klass == OpClass.GEMM else eff.attention
+        return c.device.kernel_overhead + max(k.flops / (c.peak(dtype) * share), k.nbytes / bw)
+
+    # ----- links
+    def _link(self, inter: bool) -> tuple[float, float]:
+        """(bytes/s achieved, latency) of the intra-node link or the NIC."""
+        c, eff = self.cluster, self.cluster.efficiency
+        if inter:
+            return c.network.bandwidth * eff.network / c.network.oversubscription, c.network.latency
+        return c.node.link.bandwidth * eff.link, c.node.link.latency
+
+    def _flat(self, kind: Collective, nbytes: float, n: int, inter: bool) -> float:
+        """``kind`` over one ring of ``n`` devices on one link type; ``nbytes`` each holds before."""
+        if n <= 1:
+            return 0.0
+        bw, lat = self._link(inter)
+        if kind == Collective.ALL_REDUCE:
+            ring = 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+            tree = 2 * math.ceil(math.log2(n)) * lat + 2 * nbytes / bw  # a double binary tree: latency log n
+            return min(ring, tree)
+        if kind == Collective.ALL_GATHER:
+            return (n - 1) * lat + (n - 1) * nbytes / bw
+        if kind in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+            return (n - 1) * lat + (n - 1) / n * nbytes / bw
+        raise ValueError(f"{kind} is not a collective over a ring")
+
+    def on_axis(self, kind: Collective, nbytes: float, axis: str) -> float:
+        """Seconds of ``kind`` (a one-tensor or bucket kind) over the groups of mesh axis ``axis``."""
+        kind = kind.single
+        if not kind.moves_data:  # a local slice or zero fill: one pass over the bytes
+            return self.compute(nbytes)
+        if kind.memory_after is not None:  # to or from host memory (offloaded optimizer)
+            return nbytes / self.cluster.device.host_bandwidth
+        g = self.groups[axis]
+        return self._grouped(kind, nbytes, g.size, g.local, g.nodes)
+
+    def _grouped(self, kind: Collective, nbytes: float, n: int, local: int, nodes: int) -> float:
+        if nodes <= 1:
+            return self._flat(kind, nbytes, n, inter=False)
+        if local <= 1:
+            return self._flat(kind, nbytes, n, inter=True)
+        if kind == Collective.ALL_REDUCE:
+            return (2 * self._flat(Collective.REDUCE_SCATTER, nbytes, local, False)
+                    + self._flat(Collective.ALL_REDUCE, nbytes / local, nodes, True))
+        if kind == Collective.ALL_GATHER:  # across nodes the shards of one local index, then inside the node
+            return self._flat(Collective.ALL_GATHER, nbytes, nodes, True) + self._flat(Collective.ALL_GATHER, nbytes * nodes, local, False)
+        if kind == Collective.REDUCE_SCATTER:
+            return self._flat(Collective.REDUCE_SCATTER, nbytes, local, False) + self._flat(Collective.REDUCE_SCATTER, nbytes / local, nodes, True)
+        # all-to-all: the share for other nodes over the NICs while the local share crosses the link
+        return max(self._flat(Collective.ALL_TO_ALL, nbytes * (n - local) / n * nodes / (nodes - 1), nodes, True),
+                   self._flat(Collective.ALL_TO_ALL, nbytes * local / n, local, False))
+
+    def point_to_point(self, nbytes: float, axis: str = "pp") -> float:
+        """A send/recv between matching ranks of neighbouring groups on ``axis`` (pipeline stages)."""
+        g = self.groups.get(axis)
+        bw, lat = self._link(inter=g is None or g.crosses_nodes)
+        return lat + nbytes / bw
+
+    # ----- the CostModel protocol (no axis named: a group of k is placed inside a node when it fits)
+    def collective(self, kind: Collective, nbytes: int, k: int) -> float:
+        if kind in (Collective.SHARD_SLICE, Collective.KEEP_FIRST):
+            return self.compute(nbytes)
+        d = self.cluster.node.devices
+        return self._grouped(kind.single, nbytes, k, min(k, d), math.ceil(k / d))
+
+    def bucketed(self, kind: Collective, nbytes: int, k: int) -> float:
+        return self.collective(kind, nbytes, k) - self.collective(kind, 0, k)
+
+    def compute(self, nbytes: int) -> float:
+        return nbytes / (self.cluster.device.memory_bandwidth * self.cluster.efficiency.memory)
+
+    def transfer(self, nbytes: int) -> float:
+        return self.point_to_point(nbytes)
+
+    def memory(self, nbytes: int) -> float:
+        return self.memory_price * nbytes

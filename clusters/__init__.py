@@ -1,0 +1,1 @@
+"""Cluster presets for ``sbpc simulate --cluster NAME`` (TOML; schema in compiler/tools/cluster.py)."""

@@ -1,0 +1,109 @@
+"""`sbpc simulate`: cluster files, the cluster cost model, and a plan's simulated step."""
+import json
+
+import pytest
+
+from conftest import ROOT
+
+from sbpc.cli import main
+from sbpc.compiler.sbp.cost_model import ClusterCost
+from sbpc.compiler.sbp.op_work import AttentionKernel, Operand, OpClass, op_work
+from sbpc.compiler.tools.cluster import axis_groups, load_cluster, presets
+from sbpc.errors import UsageError
+from sbpc.runtime.kinds import Collective
+
+
+def test_presets_load_with_datasheet_peaks():
+    assert {"dgx-a100-80g", "dgx-h100", "h200"} <= set(presets())
+    a100, h100, h200 = (load_cluster(n) for n in ("dgx-a100-80g", "dgx-h100", "h200"))
+    assert a100.peak("f16") == 312e12 and a100.peak("f32") == 19.5e12 and a100.device.memory == 80e9
+    assert h100.peak("bf16") == 989.4e12 and h200.device.memory == 141e9
+    assert h200.device.memory_bandwidth > h100.device.memory_bandwidth
+
+
+def test_cluster_file_errors_name_the_key(tmp_path):
+    with pytest.raises(UsageError, match="dgx-a100-80g"):  # the hint lists the presets
+        load_cluster("no-such-cluster")
+    bad = tmp_path / "bad.toml"
+    bad.write_text((ROOT / "clusters" / "h200.toml").read_text().replace("gemm = 0.70", "gemm = 1.7"))
+    with pytest.raises(UsageError, match="efficiency.gemm"):
+        load_cluster(str(bad))
+    assert main(["simulate", "plan.json", "--cluster", str(bad)]) == 2
+
+
+def test_rank_map_puts_tp_inside_a_node():
+    g = axis_groups([("pp", 8), ("dp", 24), ("tp", 8)], 8)
+    assert (g["tp"].local, g["tp"].nodes) == (8, 1)  # contiguous ranks: one node
+    assert (g["dp"].local, g["dp"].nodes) == (1, 24)  # stride 8: one member per node
+    g = axis_groups([("dp", 32), ("tp", 1)], 8)
+    assert (g["dp"].local, g["dp"].nodes) == (8, 4)  # hierarchical: 8 per node on 4 nodes
+
+
+def test_collectives_ring_factors_and_links():
+    c = load_cluster("dgx-a100-80g")
+    nv = c.node.link.bandwidth * c.efficiency.link
+    nic = c.network.bandwidth * c.efficiency.network
+    cost = ClusterCost(c, (("dp", 4), ("tp", 8)))
+    n, lat, nlat = 1e9, c.node.link.latency, c.network.latency  # ring steps pay a latency each
+    assert cost.on_axis(Collective.ALL_REDUCE, n, "tp") == pytest.approx(14 * lat + 2 * 7 / 8 * n / nv)
+    assert cost.on_axis(Collective.REDUCE_SCATTER, n, "tp") == pytest.approx(7 * lat + 7 / 8 * n / nv)
+    assert cost.on_axis(Collective.ALL_GATHER, n / 8, "tp") == pytest.approx(7 * lat + 7 / 8 * n / nv)
+    assert cost.on_axis(Collective.ALL_REDUCE, n, "dp") == pytest.approx(6 * nlat + 2 * 3 / 4 * n / nic)  # one per node: NICs
+    # a bucket is priced as its one-tensor kind
+    assert cost.on_axis(Collective.ALL_REDUCE_COALESCED, n, "dp") == cost.on_axis(Collective.ALL_REDUCE, n, "dp")
+    flat = ClusterCost(c, (("dp", 32),))  # 8 ranks per node on 4 nodes
+    hier = 2 * (7 * lat + 7 / 8 * n / nv) + 6 * nlat + 2 * 3 / 4 * (n / 8) / nic
+    assert flat.on_axis(Collective.ALL_REDUCE, n, "dp") == pytest.approx(hier)
+    assert cost.point_to_point(n, "dp") == pytest.approx(c.network.latency + n / nic)
+
+
+def test_op_work_counts_gemm_flops_and_attention():
+    a, b = Operand((64, 128), 2), Operand((128, 32), 2)
+    (k,) = op_work("aten.mm.default", [a, b], [Operand((64, 32), 2)])
+    assert (k.flops, k.klass) == (2 * 64 * 128 * 32, OpClass.GEMM)
+    assert op_work("aten.view.default", [a], [a]) == []
+    q = Operand((2, 4, 256, 64), 2)
+    full = op_work("sbpc.attention", [q, q, q], [q], causal=False)[0].flops
+    assert full == 2 * (2 * 2 * 4 * 256 * 256 * 64)
+    assert op_work("sbpc.attention", [q, q, q], [q], causal=True)[0].flops == full / 2
+    mat = op_work("sbpc.attention", [q, q, q], [q], attention=AttentionKernel.MATERIALIZED)
+    assert sum(x.flops for x in mat) == full and any(x.klass == OpClass.MEMORY for x in mat)
+
+
+@pytest.fixture(scope="module")
+def pp_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sim") / "pp.json"
+    assert main(["compile", "examples/gpt.py", "--mesh", "2x1x2", "--microbatches", "4", "-o", str(path)]) == 0
+    return path
+
+
+def test_simulate_pipeline_json_and_trace(pp_plan, tmp_path, capsys):
+    from sbpc.compiler.tools.simulate import simulate
+    from sbpc.runtime.plan import load_plan
+
+    trace = tmp_path / "sim.json"
+    capsys.readouterr()
+    assert main(["simulate", str(pp_plan), "--cluster", "dgx-a100-80g", "--json", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "bubble"} <= set(out)
+    assert out["step_time_s"] > 0 and 0 < out["bubble"] < 1 and len(out["roles"]) == 2
+    assert out["tokens_per_s"] == pytest.approx(8 * 32 / out["step_time_s"])  # batch dp 2 x 4 micro-batches, seq 32
+    assert {"dp", "pp"} <= set(out["comm"])  # gradient reduction on dp, transfers between stages
+    assert out["critical_path"][-1]["last"].startswith("U")  # the step ends in an update
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"compute", "comm dp"} <= rows
+    # the H200's faster memory makes this memory-bound toy step faster than on an A100
+    plan = load_plan(str(pp_plan))
+    assert simulate(plan, load_cluster("h200")).step_time_s < out["step_time_s"]
+
+
+def test_layers_extrapolate_the_repeated_layer(pp_plan):
+    from sbpc.compiler.tools.simulate import simulate
+    from sbpc.runtime.plan import load_plan
+
+    plan, c = load_plan(str(pp_plan)), load_cluster("dgx-a100-80g")
+    base, deep = simulate(plan, c), simulate(plan, c, layers=8)  # 2 copies of h.N on 2 stages
+    assert deep.model_flops > 3 * base.model_flops and deep.step_time_s > base.step_time_s
+    with pytest.raises(UsageError, match="multiple of pp"):
+        simulate(plan, c, layers=3)
