@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, memory, inspect, diff, run, check, explain, simulate, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, run, launch, check, explain, simulate, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -285,6 +285,29 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from sbpc.compiler.tools.launch_script import LaunchSpec, render_launch, write_script
+    from sbpc.runtime.files import check_output_path
+    from sbpc.runtime.plan import load_plan
+
+    if args.output is not None:
+        check_output_path(args.output, "launch script (--output)")
+    spec = LaunchSpec(plan_path=args.plan, nodes=args.nodes, emit=args.emit, master_addr=args.master_addr,
+                      master_port=args.master_port, ifname=args.ifname, backend=args.backend, workdir=os.getcwd())
+    plan = load_plan(args.plan)
+    text = render_launch(plan, spec)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    write_script(args.output, text)
+    per_node = plan.world_size // args.nodes
+    run = args.output if os.path.dirname(args.output) else f"./{args.output}"
+    how = (f"run it on every node: {run} --node-rank K" if args.emit == "torchrun"
+           else f"submit it: sbatch {args.output}")
+    print(f"wrote {args.output}: {plan.world_size} ranks on {args.nodes} node(s) x {per_node}; {how} [sbpc-run flags]")
+    return 0
+
+
 def cmd_schema(args) -> int:
     from sbpc.runtime.plan import Plan
 
@@ -324,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
+    la = sub.add_parser("launch", help="write the script that starts a plan's ranks on several nodes (torchrun, slurm)")
+    la.add_argument("plan")
+    la.add_argument("--nodes", type=int, required=True, help="nodes; each runs world size / nodes ranks")
+    la.add_argument("--emit", choices=["torchrun", "slurm"], required=True,
+                    help="torchrun: a script to run on every node with --node-rank K; slurm: an sbatch job (srun)")
+    la.add_argument("-o", "--output", help="write the script here (executable) instead of printing it")
+    la.add_argument("--master-addr", help="address of node 0 (default: 127.0.0.1 on one node, slurm's first node, "
+                                          "else $MASTER_ADDR when the script runs)")
+    la.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    la.add_argument("--ifname", help="network interface for NCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
+    la.add_argument("--backend", default="cpu", help="the ranks' backend: cpu (gloo, default) or cuda (one GPU per rank)")
+    la.set_defaults(fn=cmd_launch)
     k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
     _model_arguments(k)
     k.add_argument("--steps", type=int, default=3)
@@ -361,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, r, k, e, sm, s, o):
+    for sp in (c, mm, i, d, r, la, k, e, sm, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

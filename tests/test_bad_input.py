@@ -45,16 +45,16 @@ def write(name: str, text: str) -> Callable[[Path], None]:
 _plans: dict[str, str] = {}
 
 
-def compiled(edit: Callable[[str], str] | None = None, *sets: str) -> Callable[[Path], None]:
-    """A setup that writes ``{tmp}/plan.json``: examples/mlp.py compiled for mesh 1 (once per
-    session), passed through ``edit`` (text -> text) when given."""
+def compiled(edit: Callable[[str], str] | None = None, *flags: str) -> Callable[[Path], None]:
+    """A setup that writes ``{tmp}/plan.json``: examples/mlp.py compiled (for mesh 1, or with
+    the compile ``flags``) once per session, passed through ``edit`` (text -> text) when given."""
     def setup(tmp: Path) -> None:
-        key = " ".join(sets)
+        key = " ".join(flags)
         if key not in _plans:
             from sbpc.cli import main
 
             out = tmp / "_compiled.json"
-            assert main(["compile", "examples/mlp.py", *sets, "-o", str(out)]) == 0
+            assert main(["compile", "examples/mlp.py", *flags, "-o", str(out)]) == 0
             _plans[key] = out.read_text()
             out.unlink()
         (tmp / "plan.json").write_text(edit(_plans[key]) if edit else _plans[key])
@@ -80,6 +80,7 @@ def _set(path: str, value) -> Callable[[dict], None]:
 
 
 EDITED = "was changed after sbpc wrote it: its content does not match its digest"
+DP4 = ("--mesh", "4x1")  # a 4-rank plan, for sbpc launch
 MLP = ["compile", "examples/mlp.py", "-o", "{tmp}/plan.json"]
 GPT_TP = ["compile", "examples/gpt.py", "--config", "examples/gpt.megatron.toml", "--set", "layers=1", "-o", "{tmp}/p.json"]
 
@@ -268,6 +269,23 @@ CASES = [
          "cannot write the trace (--trace) to '/nonexistent/out.json'"),
     Case("opt-missing-file", ["opt", "{tmp}/x.sbpir"], "IR file '{tmp}/x.sbpir' does not exist"),
     Case("opt-unknown-pass", ["opt", "tests/golden/dce.sbpir", "-p", "dce,frob"], "unknown pass 'frob'"),
+    # --- sbpc launch -----------------------------------------------------------------------
+    Case("launch-nodes-not-dividing", ["launch", "{tmp}/plan.json", "--nodes", "3", "--emit", "torchrun"],
+         ("--nodes 3 does not divide the plan's 4 ranks", "valid --nodes for this plan: 1, 2, 4"), compiled(None, *DP4)),
+    Case("launch-nodes-zero", ["launch", "{tmp}/plan.json", "--nodes", "0", "--emit", "slurm"],
+         "--nodes 0 does not divide", compiled(None, *DP4)),
+    Case("launch-unknown-emitter", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "mpirun"],
+         "argument --emit: invalid choice: 'mpirun'", compiled()),
+    Case("launch-port-out-of-range", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "torchrun",
+                                      "--master-port", "70000"], "--master-port 70000 is not a TCP port", compiled()),
+    Case("launch-address-with-space", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "torchrun",
+                                       "--master-addr", "node 0"], "--master-addr 'node 0' is empty or has spaces",
+         compiled()),
+    Case("launch-unknown-backend", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "slurm", "--backend", "tpu"],
+         "backend 'tpu' is not available", compiled()),
+    Case("launch-output-dir-missing", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "torchrun",
+                                       "-o", "{tmp}/no/launch.sh"], "cannot write the launch script (--output)",
+         compiled()),
     # --- data files (sbpc train / --data): the train helper adds its rows here -------------
     # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here
 ]

@@ -1,0 +1,111 @@
+"""`sbpc launch`: the rendered torchrun and slurm scripts, and a two-"host" run on loopback that
+trains like the single-host `sbpc run` of the same plan."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def plan_2x2(tmp_path_factory):
+    """examples/gpt.py (one layer) on dp=2 x tp=2 with Megatron's hints: tp collectives every layer."""
+    from sbpc.cli import main
+
+    path = tmp_path_factory.mktemp("launch") / "gpt.2x2.json"
+    os.chdir(ROOT)
+    assert main(["compile", "examples/gpt.py", "--mesh", "2x2", "--config", "examples/gpt.megatron.toml",
+                 "--set", "layers=1", "-o", str(path)]) == 0
+    return path
+
+
+def launch(plan, *flags, capsys) -> str:
+    from sbpc.cli import main
+
+    capsys.readouterr()
+    assert main(["launch", str(plan), *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_torchrun_script_has_the_rank_map_and_the_environment(plan_2x2, capsys):
+    text = launch(plan_2x2, "--nodes", "2", "--emit", "torchrun", "--master-addr", "10.0.0.1", "--ifname", "ib0",
+                  capsys=capsys)
+    assert "#   rank 1: node 0, local rank 1: dp=0, tp=1\n#   rank 2: node 1, local rank 0: dp=1, tp=0\n" in text
+    for line in ("export MASTER_ADDR=10.0.0.1", "export MASTER_PORT=29500", "export NCCL_SOCKET_IFNAME=ib0",
+                 "export GLOO_SOCKET_IFNAME=ib0", f"cd {ROOT}"):
+        assert line + "\n" in text or line + "  #" in text, line
+    assert re.search(r"exec torchrun --nnodes 2 --nproc-per-node 2 --node-rank \"\$node_rank\" \\\n.*\\\n"
+                     r"  -m sbpc\.runtime\.cli \S+gpt\.2x2\.json --backend cpu \"\$@\"\n", text)
+    assert "Warning" not in text  # tp=2 fits in 2 devices per node
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_slurm_script_is_an_sbatch_job_with_srun(plan_2x2, capsys, tmp_path):
+    out = tmp_path / "job.sh"
+    said = launch(plan_2x2, "--nodes", "2", "--emit", "slurm", "--backend", "cuda", "-o", str(out), capsys=capsys)
+    assert f"wrote {out}: 4 ranks on 2 node(s) x 2; submit it: sbatch {out}" in said
+    text = out.read_text()
+    assert os.access(out, os.X_OK)
+    assert text.startswith("#!/usr/bin/env bash\n#SBATCH --job-name=sbpc-gpt\n#SBATCH --nodes=2\n"
+                           "#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=2\n")
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
+    assert "# export NCCL_SOCKET_IFNAME=eth0" in text  # no --ifname: left to NCCL, shown how to set
+    assert re.search(r"srun --kill-on-bad-exit=1 --distribution=block \\\n.*RANK=\"\$SLURM_PROCID\" "
+                     r"LOCAL_RANK=\"\$SLURM_LOCALID\" WORLD_SIZE=\"\$SLURM_NTASKS\"; exec sbpc-run .*\n"
+                     r"  sbpc-run \S+gpt\.2x2\.json --backend cuda \"\$@\"\n", text)
+    subprocess.run(["bash", "-n", str(out)], check=True)
+
+
+def test_a_tp_group_split_across_nodes_is_flagged(plan_2x2, capsys):
+    text = launch(plan_2x2, "--nodes", "4", "--emit", "torchrun", capsys=capsys)
+    assert "# Warning: tp=2 does not fit in 1 devices per node, so its groups span nodes" in text
+
+
+def test_the_script_refuses_a_missing_node_rank(plan_2x2, capsys, tmp_path):
+    launch(plan_2x2, "--nodes", "2", "--emit", "torchrun", "-o", str(tmp_path / "l.sh"), capsys=capsys)
+    proc = subprocess.run([str(tmp_path / "l.sh"), "--node-rank", "2"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "error: pass --node-rank K with K from 0 to 1, not '2'; hint:" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(text: str) -> list[str]:
+    return re.findall(r"^step \d+: loss \S+$", text, re.M)
+
+
+def test_two_hosts_on_loopback_train_like_one(plan_2x2, capsys, tmp_path):
+    """2 nodes x 2 ranks: the emitted torchrun script started twice on 127.0.0.1 (node ranks 0 and
+    1) prints the losses of the single-host `sbpc run` of the same plan."""
+    from sbpc.cli import main
+
+    capsys.readouterr()
+    # one intra-op thread everywhere: a kernel's rounding may depend on its thread count
+    assert main(["run", str(plan_2x2), "--steps", "3", "--threads", "1"]) == 0
+    single = _losses(capsys.readouterr().out)
+    assert len(single) == 3
+    script = tmp_path / "launch.sh"
+    launch(plan_2x2, "--nodes", "2", "--emit", "torchrun", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-o", str(script), capsys=capsys)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"  # the venv's torchrun
+    nodes = [subprocess.Popen([str(script), "--node-rank", str(k), "--steps", "3", "--threads", "1",
+                               "--timeout", "120"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outs]
+    assert _losses(outs[0][0]) == single, outs[0]
+    assert _losses(outs[1][0]) == []  # rank 0 prints; node 1 holds ranks 2 and 3
