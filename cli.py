@@ -272,7 +272,7 @@ def cmd_simulate(args) -> int:
 
         check_output_path(args.trace, "simulated trace (--trace)")
     if args.layers is not None and args.layers < 1:
-        raise UsageError(f"--layers {args.layers} must be at least 1")
+        raise UsageError(f"--layers {args.layers} must be at least 1", hint="the layer count to extrapolate to, e.g. --layers 96")
     cluster = load_cluster(args.cluster)
     plan = load_plan(args.plan)
     if args.trace:

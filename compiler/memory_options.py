@@ -46,7 +46,8 @@ def memory_options(zero=None, recompute=None, precision=None, offload=None, devi
         raise UsageError(str(err), location=where or None,
                          hint="recompute: none, selective, full, auto; precision: fp32, bf16, fp16") from None
     if offload is not None and offload not in OFFLOADS:
-        raise UsageError(f"offload {offload!r} is not one of {', '.join(OFFLOADS)}", location=where or None)
+        raise UsageError(f"offload {offload!r} is not one of {', '.join(OFFLOADS)}", location=where or None,
+                         hint="optimizer keeps the optimizer state and its update on the host")
     budget = parse_bytes(device_memory) if device_memory is not None else None
     if rec == Recompute.AUTO and budget is None:
         raise UsageError("--recompute auto needs --device-memory", location=where or None,

@@ -179,7 +179,8 @@ def replay(graph: TaskGraph, order: list[list[Task]], device_of) -> None:
     for d, dev in enumerate(order):
         for t in dev:
             if device_of(t.chunk) != d:
-                raise PlanError(f"task {fmt(t)} is ordered on stage {d} but its chunk runs on stage {device_of(t.chunk)}")
+                raise PlanError(f"task {fmt(t)} is ordered on stage {d} but its chunk runs on stage {device_of(t.chunk)}",
+                                hint="the plan is corrupt; recompile it")
     done: set[Task] = set()
     pos = [0] * len(order)
     deps = {t: graph.deps(t) for t in every}

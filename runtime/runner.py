@@ -233,7 +233,8 @@ class Runner:
 
     def _check_batch(self, batch) -> None:
         if len(batch) != len(self.plan.batch):
-            raise RuntimeFailure(f"batch has {len(batch)} tensors, the plan takes {len(self.plan.batch)}")
+            raise RuntimeFailure(f"batch has {len(batch)} tensors, the plan takes {len(self.plan.batch)}",
+                                 hint="example_batch() changed since the compile; recompile the plan")
         for t, spec in zip(batch, self.plan.batch):
             if list(t.shape) != spec.shape or str(t.dtype) != f"torch.{spec.dtype}":
                 raise RuntimeFailure(f"{spec.name} is {t.dtype} {list(t.shape)}, the plan was compiled for {spec.dtype} {spec.shape}",

@@ -81,6 +81,18 @@ def _set(path: str, value) -> Callable[[dict], None]:
 
 EDITED = "was changed after sbpc wrote it: its content does not match its digest"
 DP4 = ("--mesh", "4x1")  # a 4-rank plan, for sbpc launch
+def _recompiled_model(tmp: Path) -> None:
+    """examples/mlp.py copied to {tmp}/model.py and compiled there, then its example_batch cut to
+    one tensor, as when a model file changes after the compile."""
+    from sbpc.cli import main
+
+    text = Path("examples/mlp.py").read_text()
+    (tmp / "model.py").write_text(text)
+    assert main(["compile", str(tmp / "model.py"), "-o", str(tmp / "plan.json")]) == 0
+    (tmp / "model.py").write_text(text.replace("return torch.randn(batch_size, dim_in), torch.randn(batch_size, dim_out)",
+                                               "return (torch.randn(batch_size, dim_in),)"))
+
+
 MLP = ["compile", "examples/mlp.py", "-o", "{tmp}/plan.json"]
 GPT_TP = ["compile", "examples/gpt.py", "--config", "examples/gpt.megatron.toml", "--set", "layers=1", "-o", "{tmp}/p.json"]
 
@@ -150,6 +162,10 @@ CASES = [
     _config_case("config-microbatches-zero", "[pipeline]\nmicrobatches = 0\n",
                  "[pipeline] microbatches must be an integer >= 1"),
     _config_case("config-unknown-schedule", '[pipeline]\nschedule = "zigzag"\n', "[pipeline] schedule must be one of"),
+    _config_case("config-memory-offload-unknown", '[memory]\noffload = "disk"\n', "offload 'disk' is not one of"),
+    _config_case("config-memory-zero-unknown", "[memory]\nzero = 5\n", "zero stage 5 is not one of 0, 1, 2, 3"),
+    _config_case("config-memory-recompute-unknown", '[memory]\nrecompute = "most"\n', "'most'"),
+    _config_case("config-memory-budget-not-bytes", '[memory]\ndevice_memory = "lots"\n', "'lots'"),
     # --- sizes the mesh cannot divide (the message lists the valid degrees) ------------------
     Case("vocab-tp", [*GPT_TP, "--mesh", "1x2", "--set", "vocab=255"],
          ("SBP tp=S(0) of param 'wte.weight' does not divide its shape [255, 64] over tp=2; "
@@ -200,6 +216,27 @@ CASES = [
              def example_batch(batch_size):
                  return "tokens"
              """)),
+    Case("model-batch-unsupported-dtype", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         "tensors of dtype torch.uint16 are not supported yet",
+         write("model.py", """
+             import torch
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.emb = torch.nn.Embedding(16, 4)
+
+                 def forward(self, ids):
+                     return self.emb(ids.long()).sum()
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return (torch.zeros(batch_size, 8, dtype=torch.uint16),)
+             """)),
+    Case("model-batch-changed-since-compile", ["run", "{tmp}/plan.json", "--steps", "1"],
+         "batch has 1 tensors, the plan takes 2", lambda tmp: _recompiled_model(tmp)),
     Case("model-forward-not-scalar", ["compile", "tests/models/not_scalar.py", "-o", "{tmp}/p.json"],
          "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
     Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
@@ -241,6 +278,12 @@ CASES = [
          "plan file 'does/not/exist.json' does not exist", compiled()),
     Case("diff-plan-not-json", ["diff", "{tmp}/plan.json", "{tmp}/plan.json"], "is not valid JSON",
          write("plan.json", "{")),
+    Case("simulate-layers-zero", ["simulate", "{tmp}/plan.json", "--cluster", "h200", "--layers", "0"],
+         "--layers 0 must be at least 1", compiled()),
+    Case("simulate-cluster-unknown", ["simulate", "{tmp}/plan.json", "--cluster", "dgx-z9"], "no cluster 'dgx-z9'",
+         compiled()),
+    Case("simulate-cluster-broken-toml", ["simulate", "{tmp}/plan.json", "--cluster", "{tmp}/c.toml"],
+         "is not valid TOML", lambda tmp: (compiled()(tmp), (tmp / "c.toml").write_text("[node\n"))),
     Case("explain-unknown-tensor", ["explain", "{tmp}/plan.json", "nope"], "no value or parameter named 'nope'",
          compiled()),
     # --- run flags --------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def value_name(text: str) -> str:
 def tensor_type(t: torch.Tensor) -> TensorType:
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPE_BY_TORCH_NAME:
-        raise CaptureError(f"tensors of dtype {t.dtype} are not supported yet")
+        raise CaptureError(f"tensors of dtype {t.dtype} are not supported yet",
+                           hint="use a float (float32, bfloat16, float16, float64), int64/32/16/8, uint8 or bool tensor")
     return TensorType(tuple(int(s) for s in t.shape), DTYPE_BY_TORCH_NAME[name])
 
 
@@ -72,7 +73,8 @@ def convert_arg(a: Any, names: dict[torch.fx.Node, str] | None) -> Any:
     try:
         return convert_literal(a)
     except UnsupportedArg as err:
-        raise CaptureError(f"argument {err} cannot be put in a plan") from None
+        raise CaptureError(f"argument {err} cannot be put in a plan",
+                           hint="ops may take tensors, numbers, strings, dtypes and lists of them") from None
 
 
 @dataclass

@@ -77,7 +77,8 @@ class Zero:
         except (TypeError, ValueError):
             self.stage = -1
         if self.stage not in ZERO_STAGES:
-            raise UsageError(f"zero stage {given!r} is not one of 0, 1, 2, 3")
+            raise UsageError(f"zero stage {given!r} is not one of 0, 1, 2, 3",
+                             hint="1 shards optimizer state over dp, 2 also gradients, 3 also parameters")
 
     def apply(self, graph: Graph, ctx) -> Graph:
         dp = graph.mesh.size(AXIS)

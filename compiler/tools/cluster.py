@@ -101,7 +101,8 @@ def load_cluster(spec: str) -> Cluster:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise UsageError(f"cluster {where} is not valid TOML: {err}", location=where) from err
+        raise UsageError(f"cluster {where} is not valid TOML: {err}", location=where,
+                         hint="see docs/cost_model.md for the format, or pass a preset") from err
     try:
         return Cluster.model_validate(raw)
     except ValidationError as err:
