@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, memory, inspect, diff, run, launch, check, explain, simulate, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, report, run, launch, check, explain, simulate, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -157,17 +157,9 @@ def cmd_inspect(args) -> int:
     from sbpc.compiler.raise_plan import raise_plan
     from sbpc.runtime.plan import load_plan
 
-    if args.html:
-        from sbpc.runtime.files import check_output_path
-
-        check_output_path(args.html, "HTML report (--html)")
+    if args.html:  # the same page as `sbpc report`
+        return _write_report(args.plan, args.html, "--html")
     plan = load_plan(args.plan)
-    if args.html:
-        from sbpc.compiler.tools.report import write_report
-
-        write_report(plan, args.html)
-        print(f"wrote {args.html}")
-        return 0
     if args.collectives:
         from sbpc.compiler.tools.comm_report import summary, table
 
@@ -192,6 +184,21 @@ def cmd_inspect(args) -> int:
     print(f"// {e.instructions} instructions; params {e.param_bytes / 2**20:.1f} MiB, grads {e.grad_bytes / 2**20:.1f} MiB, "
           f"optimizer state {e.optimizer_state_bytes / 2**20:.1f} MiB, peak activations {e.peak_activation_bytes / 2**20:.1f} MiB")
     return 0
+
+
+def _write_report(plan_path: str, out: str, flag: str) -> int:
+    from sbpc.compiler.tools.report import write_report
+    from sbpc.runtime.files import check_output_path
+    from sbpc.runtime.plan import load_plan
+
+    check_output_path(out, f"HTML report ({flag})")
+    write_report(load_plan(plan_path), out)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    return _write_report(args.plan, args.output, "-o")
 
 
 def cmd_diff(args) -> int:
@@ -333,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("plan")
     i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
     i.add_argument("--ranks", action="store_true", help="print the rank -> mesh coordinate map instead")
-    i.add_argument("--html", metavar="FILE", help="write a standalone HTML report of the plan instead")
+    i.add_argument("--html", metavar="FILE", help="write the HTML report of `sbpc report` to FILE instead")
     i.add_argument("--collectives", action="store_true", help="list the plan's collectives (phase, axis, bytes, op) instead")
     i.add_argument("--schedule", action="store_true", help="print the pipeline schedule (per-stage firing order, regsts, "
                                                          "bubble) instead")
@@ -344,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print the diff as JSON (the PlanDiff model, every change) instead")
     d.add_argument("--all", action="store_true", help="list every changed name, not the first few of each change")
     d.set_defaults(fn=cmd_diff)
+    h = sub.add_parser("report", help="write a standalone HTML report of a plan: rank map, stages, timeline, memory, "
+                                      "communication")
+    h.add_argument("plan")
+    h.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    h.set_defaults(fn=cmd_report)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
@@ -396,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, r, la, k, e, sm, s, o):
+    for sp in (c, mm, i, d, h, r, la, k, e, sm, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -51,11 +51,14 @@ def test_check_command_prints_the_table():
 
 
 def test_html_report(tmp_path):
-    plan, html = tmp_path / "plan.json", tmp_path / "plan.html"
+    plan, html, alias = tmp_path / "plan.json", tmp_path / "plan.html", tmp_path / "alias.html"
     assert sbpc("compile", "examples/mlp.py", "-o", str(plan)).returncode == 0
-    assert sbpc("inspect", str(plan), "--html", str(html)).returncode == 0
+    out = sbpc("report", str(plan), "-o", str(html))
+    assert out.returncode == 0 and out.stdout == f"wrote {html}\n", out.stderr
     text = html.read_text()
-    assert "<h2>Stage 0 program" in text and "aten.addmm.default" in text and "layers.0.weight" in text
+    assert '<h2 class="inline">Stage 0 program' in text and "aten.addmm.default" in text and "layers.0.weight" in text
+    assert sbpc("inspect", str(plan), "--html", str(alias)).returncode == 0  # the same page
+    assert alias.read_text() == text
 
 
 def test_schema_is_json_schema_of_the_plan():

@@ -53,25 +53,25 @@ class PlanCost:
     stages: list[StageCost]
     step_time_s: float
     simulation: Simulation | None  # the pipelined plan's timed actors (seconds); None: one program
-    phase_s: dict[str, float]  # a one-program plan's seconds per phase (pre, fwd, bwd, opt)
+    phase_s: dict[str, float]  # seconds per phase (pre, fwd, bwd, opt) summed over the programs
+    call_s: dict[tuple[int, int], float]  # one firing of each collective call, by (chunk, position)
     source: str = SOURCE
 
 
 def plan_cost(plan: Plan, cost: RooflineCost | None = None, comm: AlphaBeta | None = None) -> PlanCost:
     cost = cost or RooflineCost()
     comm = comm or AlphaBeta()
-    seconds, flop = _instruction_costs(plan, cost, comm)
+    seconds, flop, call_s = _instruction_costs(plan, cost, comm)
     m = plan.pipeline.microbatches if plan.pipeline is not None else 1
     p = plan.pipeline.stages if plan.pipeline is not None else 1
     stages = {prog.stage: StageCost(prog.stage, prog.stage % p) for prog in plan.stages}
-    comm_at = {(c.chunk, c.index) for c in collectives(plan)}
     phase_s: dict[str, float] = {}
     for prog in plan.stages:
         st = stages[prog.stage]
         for k, ins in enumerate(prog.instructions):
             times = m if ins.role in PER_MICROBATCH else 1
             s = seconds.get((prog.stage, k), 0.0) * times
-            if (prog.stage, k) in comm_at:
+            if (prog.stage, k) in call_s:
                 st.comm_s += s
             else:
                 st.compute_s += s
@@ -87,17 +87,18 @@ def plan_cost(plan: Plan, cost: RooflineCost | None = None, comm: AlphaBeta | No
             stages[owner[prm.update]].params += math.prod(prm.shape)
     order = [stages[c] for c in sorted(stages)]
     if plan.pipeline is None:
-        return PlanCost(order, sum(st.time_s for st in order), None, phase_s)
+        return PlanCost(order, sum(st.time_s for st in order), None, phase_s, call_s)
     graph = plan_task_graph(plan)
     per_task = {key: sum(seconds.get(it.index_key, 0.0) for it in [*body.kernels, *body.recvs])
                 for key, body in graph.bodies.items()}
     spec = plan.pipeline
     sim = simulate(graph, spec.schedule, spec.stages, spec.virtual_stages, cost=lambda t: per_task.get(t.key, 0.0))
-    return PlanCost(order, sim.makespan, sim, phase_s)
+    return PlanCost(order, sim.makespan, sim, phase_s, call_s)
 
 
-def _instruction_costs(plan: Plan, cost: RooflineCost, comm: AlphaBeta) -> tuple[dict, dict]:
-    """Seconds and local flops per (chunk, position) of one firing of each instruction."""
+def _instruction_costs(plan: Plan, cost: RooflineCost, comm: AlphaBeta) -> tuple[dict, dict, dict]:
+    """Seconds and local flops per (chunk, position) of one firing of each instruction, and
+    the seconds of the collective calls alone."""
     sizes = {a.name: a.size for a in plan.mesh}
     axes = [a.name for a in plan.mesh if a.name != "pp"]
     shard = tuple(sizes[a] for a in axes)
@@ -135,7 +136,7 @@ def _instruction_costs(plan: Plan, cost: RooflineCost, comm: AlphaBeta) -> tuple
                         nbytes += _local(values[u], ins_sbp[j] if j < len(ins_sbp) else None, shard)
                 nbytes += sum(_local(t, None, shard) for t in ins.types)
             seconds[at] = cost.seconds(flop[at], nbytes)
-    return seconds, flop
+    return seconds, flop, {at: seconds[at] for at in calls}
 
 
 def _value_types(plan: Plan) -> dict[str, ValueType]:
