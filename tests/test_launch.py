@@ -87,25 +87,75 @@ def _losses(text: str) -> list[str]:
     return re.findall(r"^step \d+: loss \S+$", text, re.M)
 
 
-def test_two_hosts_on_loopback_train_like_one(plan_2x2, capsys, tmp_path):
-    """2 nodes x 2 ranks: the emitted torchrun script started twice on 127.0.0.1 (node ranks 0 and
-    1) prints the losses of the single-host `sbpc run` of the same plan."""
+@pytest.fixture(scope="module")
+def single_host_losses(plan_2x2):
+    """The step lines of the single-host `sbpc run` of the plan (4 spawned ranks)."""
+    import contextlib
+    import io
+
     from sbpc.cli import main
 
-    capsys.readouterr()
-    # one intra-op thread everywhere: a kernel's rounding may depend on its thread count
-    assert main(["run", str(plan_2x2), "--steps", "3", "--threads", "1"]) == 0
-    single = _losses(capsys.readouterr().out)
-    assert len(single) == 3
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        # one intra-op thread everywhere: a kernel's rounding may depend on its thread count
+        assert main(["run", str(plan_2x2), "--steps", "3", "--threads", "1"]) == 0
+    losses = _losses(out.getvalue())
+    assert len(losses) == 3
+    return losses
+
+
+def _clean_env(bin_dirs) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PATH"] = os.pathsep.join([*map(str, bin_dirs), env["PATH"]])
+    return env
+
+
+RUN_FLAGS = ["--steps", "3", "--threads", "1", "--timeout", "120"]
+
+
+def test_two_hosts_on_loopback_train_like_one(plan_2x2, single_host_losses, capsys, tmp_path):
+    """2 nodes x 2 ranks: the emitted torchrun script started twice on 127.0.0.1 (node ranks 0 and
+    1) prints the losses of the single-host `sbpc run` of the same plan."""
     script = tmp_path / "launch.sh"
     launch(plan_2x2, "--nodes", "2", "--emit", "torchrun", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-o", str(script), capsys=capsys)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env['PATH']}"  # the venv's torchrun
-    nodes = [subprocess.Popen([str(script), "--node-rank", str(k), "--steps", "3", "--threads", "1",
-                               "--timeout", "120"], env=env,
+    env = _clean_env([VENV_BIN])  # the venv's torchrun
+    nodes = [subprocess.Popen([str(script), "--node-rank", str(k), *RUN_FLAGS], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (0, 1)]
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outs]
-    assert _losses(outs[0][0]) == single, outs[0]
+    assert _losses(outs[0][0]) == single_host_losses, outs[0]
     assert _losses(outs[1][0]) == []  # rank 0 prints; node 1 holds ranks 2 and 3
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun of one job step on this machine: its tasks in block order, as SLURM numbers them
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((k = 0; k < SLURM_NTASKS; k++)); do
+  SLURM_PROCID=$k SLURM_LOCALID=$((k % SLURM_NTASKS_PER_NODE)) SLURM_NODEID=$((k / SLURM_NTASKS_PER_NODE)) "$@" &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+def test_the_slurm_job_trains_like_one_host(plan_2x2, single_host_losses, capsys, tmp_path):
+    """The sbatch script under a stand-in srun (4 local tasks, SLURM_PROCID 0-3) and scontrol
+    (the node list is 127.0.0.1): the same losses as the single-host run."""
+    script = tmp_path / "job.sh"
+    launch(plan_2x2, "--nodes", "2", "--emit", "slurm", "--master-port", str(_free_port()), "-o", str(script),
+           capsys=capsys)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**_clean_env([bin_dir, VENV_BIN]), "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NODELIST": "node[0-1]"}
+    proc = subprocess.run(["bash", str(script), *RUN_FLAGS], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert _losses(proc.stdout) == single_host_losses, proc.stdout
