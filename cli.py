@@ -186,26 +186,35 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _write_report(plan_path: str, out: str, flag: str) -> int:
+def _write_report(plan_path: str, out: str, flag: str, cluster: str | None = None) -> int:
     from sbpc.compiler.tools.report import write_report
     from sbpc.runtime.files import check_output_path
     from sbpc.runtime.plan import load_plan
 
     check_output_path(out, f"HTML report ({flag})")
-    write_report(load_plan(plan_path), out)
+    if cluster is not None:
+        from sbpc.compiler.tools.cluster import load_cluster
+
+        cluster = load_cluster(cluster)
+    write_report(load_plan(plan_path), out, cluster)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_report(args) -> int:
-    return _write_report(args.plan, args.output, "-o")
+    return _write_report(args.plan, args.output, "-o", args.cluster)
 
 
 def cmd_diff(args) -> int:
     from sbpc.compiler.tools.diff import diff_plans, diff_text
     from sbpc.runtime.plan import load_plan
 
-    d = diff_plans(load_plan(args.a), load_plan(args.b), args.a, args.b)
+    cluster = None
+    if args.cluster is not None:
+        from sbpc.compiler.tools.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+    d = diff_plans(load_plan(args.a), load_plan(args.b), args.a, args.b, cluster)
     print(d.model_dump_json(indent=1) if args.json else diff_text(d, show_all=args.all))
     return 0
 
@@ -350,11 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("b", help="the plan compared to")
     d.add_argument("--json", action="store_true", help="print the diff as JSON (the PlanDiff model, every change) instead")
     d.add_argument("--all", action="store_true", help="list every changed name, not the first few of each change")
+    d.add_argument("--cluster", metavar="NAME|FILE", help="predict the step times with `sbpc simulate` on this cluster "
+                                                         "(default: the compiler's cost model)")
     d.set_defaults(fn=cmd_diff)
     h = sub.add_parser("report", help="write a standalone HTML report of a plan: rank map, stages, timeline, memory, "
                                       "communication")
     h.add_argument("plan")
     h.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    h.add_argument("--cluster", metavar="NAME|FILE", help="add `sbpc simulate`'s prediction on this cluster")
     h.set_defaults(fn=cmd_report)
     r = sub.add_parser("run", help="run a plan on synthetic batches")
     add_run_arguments(r)

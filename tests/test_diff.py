@@ -67,6 +67,22 @@ def test_json_has_every_change_and_the_deltas(plan_dir):
     assert kinds[("reduce_scatter", "dp", "bwd")] == {"a": 0, "b": 1, "delta": 1}
 
 
+def test_cluster_takes_the_step_times_from_sbpc_simulate(plan_dir):
+    from sbpc.compiler.tools.cluster import load_cluster
+    from sbpc.compiler.tools.simulate import simulate
+    from sbpc.runtime.plan import load_plan
+
+    a, b = (compiled(x, plan_dir) for x in runs(ROOT / "tests/golden/diff-dp-tp.check"))
+    code, out, _ = run("diff", a, b, "--json", "--cluster", "dgx-h100")
+    d = json.loads(out)
+    assert code == 0 and d["step_time_source"] == "sbpc simulate on cluster dgx-h100"
+    cluster = load_cluster("dgx-h100")
+    assert d["step_time_s"]["a"] == simulate(load_plan(a), cluster).step_time_s
+    assert d["step_time_s"]["b"] == simulate(load_plan(b), cluster).step_time_s
+    code, _, err = run("diff", a, b, "--cluster", "nope")
+    assert code == 2 and "no cluster 'nope'" in err
+
+
 def test_a_plan_against_itself_changes_nothing(plan_dir):
     a = compiled(runs(CHECKS[0])[0], plan_dir)
     code, out, _ = run("diff", a, a)

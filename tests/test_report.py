@@ -94,6 +94,22 @@ def test_one_program_plan_shows_its_phases():
     """)
 
 
+def test_cluster_adds_the_simulated_step():
+    from sbpc.compiler.tools.cluster import load_cluster
+    from sbpc.compiler.tools.simulate import simulate
+
+    result, _, _ = compile_example("mlp.py")
+    cluster = load_cluster("dgx-h100")
+    step = simulate(result.plan, cluster).step_time_s
+    filecheck(render_report(result.plan, cluster), f"""
+        CHECK: <h2>Simulated on dgx-h100</h2>
+        CHECK: <tr><th>step time</th><td class="num">{step * 1e3:,.3f} ms</td></tr>
+        CHECK: <td>stage 0</td>
+        CHECK: <h2>Mesh and rank map</h2>
+    """)
+    assert "Simulated on" not in render_report(result.plan)
+
+
 def test_report_renders_in_a_browser_without_errors(pipelined, chromium, tmp_path):
     run = browser.load(chromium, pipelined)
     assert run.problems == [], run.problems

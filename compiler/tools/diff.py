@@ -14,7 +14,8 @@ so values are matched by what they are:
 
 An nd-SBP is compared per mesh axis name; an axis one plan lacks has size 1 there, i.e. B.
 Collectives come from ``comm_report.per_step``, memory from the plan's estimates (per rank
-role, by term), the step time from ``plan_costs`` (the compiler's cost model, no simulation).
+role, by term), the step time from `sbpc simulate` on a cluster when one is given, else from
+``plan_costs`` (the compiler's own cost model).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from pydantic import BaseModel, computed_field
 
 from sbpc.compiler.tools.comm_report import per_step
 from sbpc.compiler.tools.memory_report import COLUMNS, size_text
-from sbpc.compiler.tools.plan_costs import plan_cost
+from sbpc.compiler.tools.cluster import Cluster
+from sbpc.compiler.tools.plan_costs import SOURCE, plan_cost
+from sbpc.compiler.tools.simulate import simulate
 from sbpc.runtime.kinds import ISSUE, WAIT, Collective as Kind
 from sbpc.runtime.pipeline_tasks import TRANSFER
 from sbpc.runtime.plan import Plan, ValueType
@@ -96,7 +99,7 @@ class PlanDiff(BaseModel):
     step_time_source: str
 
 
-def diff_plans(a: Plan, b: Plan, path_a: str, path_b: str) -> PlanDiff:
+def diff_plans(a: Plan, b: Plan, path_a: str, path_b: str, cluster: Cluster | None = None) -> PlanDiff:
     axes = _axes(a) + [x for x in _axes(b) if x not in _axes(a)]
     matched, changes = [], []
     for what in SPEC_KINDS:
@@ -120,12 +123,16 @@ def diff_plans(a: Plan, b: Plan, path_a: str, path_b: str) -> PlanDiff:
     calls = Figure(a=sum(r.calls.a for r in comm), b=sum(r.calls.b for r in comm))
     moved = Figure(a=sum(r.nbytes.a for r in comm), b=sum(r.nbytes.b for r in comm))
     memory = _memory(a, b)
-    ca, cb = plan_cost(a), plan_cost(b)
-    step = Figure(a=ca.step_time_s, b=cb.step_time_s)
+    if cluster is not None:
+        step = Figure(a=simulate(a, cluster).step_time_s, b=simulate(b, cluster).step_time_s)
+        source = f"sbpc simulate on cluster {cluster.name}"
+    else:
+        step = Figure(a=plan_cost(a).step_time_s, b=plan_cost(b).step_time_s)
+        source = SOURCE
     peak = Figure(a=max(r.total for r in a.estimates.roles), b=max(r.total for r in b.estimates.roles))
     return PlanDiff(a=_side(a, path_a), b=_side(b, path_b), axes=axes, matched=matched, changes=changes,
                     collectives=comm, calls=calls, bytes_moved=moved, memory=memory, peak_memory=peak,
-                    step_time_s=step, step_time_source=ca.source)
+                    step_time_s=step, step_time_source=source)
 
 
 def _axes(plan: Plan) -> list[str]:

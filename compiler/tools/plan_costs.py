@@ -6,9 +6,10 @@ bytes at the memory bandwidth, the stage policy's model), a collective's ``Alpha
 size of its axis, a transfer's ``AlphaBeta.transfer``. Local means on one device: an op whose
 result is split or partial over an axis does 1/size of the logical work there. The step time
 adds each program's costs with no overlap (an upper bound where the plan overlaps
-communication); a pipelined plan's step is the schedule simulation (``schedule_sim.simulate``)
-of its actors with these costs per firing. This is the cost model the compiler optimises, not
-a calibrated prediction of a real cluster.
+communication); a pipelined plan's step is its own firing order (``plan.pipeline.order``) timed
+with these costs per firing (``schedule_sim.timed``). This is the cost model the compiler
+optimises, not a prediction for real hardware: `sbpc simulate` (``simulate.py``) gives that, on
+a described cluster, and `sbpc diff --cluster` / `sbpc report --cluster` use it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import returns_alias
 from sbpc.compiler.ir.types import DTYPE_BY_TORCH_NAME, TensorType
-from sbpc.compiler.pipelining.schedule_sim import Simulation, simulate
+from sbpc.compiler.pipelining.schedule_sim import Simulation, timed
 from sbpc.compiler.pipelining.stage_policy import RooflineCost, flops, layer_key
 from sbpc.compiler.raise_plan import raise_plan
 from sbpc.compiler.sbp.cost_model import AlphaBeta
@@ -25,7 +26,7 @@ from sbpc.compiler.tools.comm_report import collectives
 from sbpc.runtime.kinds import ISSUE, WAIT, Collective as Kind
 from sbpc.runtime.overlap import uses
 from sbpc.runtime.pipeline import plan_task_graph
-from sbpc.runtime.pipeline_tasks import PER_MICROBATCH
+from sbpc.runtime.pipeline_tasks import PER_MICROBATCH, Task
 from sbpc.runtime.plan import Plan, ValueType
 from sbpc.runtime.sbp import parse_nd_sbp
 
@@ -85,15 +86,16 @@ def plan_cost(plan: Plan, cost: RooflineCost | None = None, comm: AlphaBeta | No
     for prm in plan.params:
         if prm.update in owner:
             stages[owner[prm.update]].params += math.prod(prm.shape)
-    order = [stages[c] for c in sorted(stages)]
+    rows = [stages[c] for c in sorted(stages)]
     if plan.pipeline is None:
-        return PlanCost(order, sum(st.time_s for st in order), None, phase_s, call_s)
+        return PlanCost(rows, sum(st.time_s for st in rows), None, phase_s, call_s)
     graph = plan_task_graph(plan)
     per_task = {key: sum(seconds.get(it.index_key, 0.0) for it in [*body.kernels, *body.recvs])
                 for key, body in graph.bodies.items()}
     spec = plan.pipeline
-    sim = simulate(graph, spec.schedule, spec.stages, spec.virtual_stages, cost=lambda t: per_task.get(t.key, 0.0))
-    return PlanCost(order, sim.makespan, sim, phase_s, call_s)
+    order = [[Task(t.chunk, t.phase, t.mb, t.part) for t in dev] for dev in spec.order]
+    sim = timed(graph, order, lambda t: per_task.get(t.key, 0.0), spec.in_flight)
+    return PlanCost(rows, sim.makespan, sim, phase_s, call_s)
 
 
 def _instruction_costs(plan: Plan, cost: RooflineCost, comm: AlphaBeta) -> tuple[dict, dict, dict]:

@@ -3,7 +3,8 @@ HTML page, rendered with jinja2 from ``codegen_templates/report.html.j2``.
 
 The page needs no network: its CSS is inline and its pictures are inline SVG drawn here (the
 pipeline timeline, the memory bars), with no script at all. Times are the compiler's cost
-model (``plan_costs``), the memory the plan's estimates, the communication ``comm_report``'s.
+model (``plan_costs``), the memory the plan's estimates, the communication ``comm_report``'s;
+given a cluster, a section shows `sbpc simulate`'s prediction on it.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from importlib import resources
 
 import jinja2
 
+from sbpc.compiler.tools.cluster import Cluster
 from sbpc.compiler.tools.comm_report import collectives, per_step
 from sbpc.compiler.tools.memory_report import COLUMNS, size_text
 from sbpc.compiler.tools.plan_costs import PlanCost, plan_cost
+from sbpc.compiler.tools.simulate import simulate
 from sbpc.runtime.files import write_atomic
 from sbpc.runtime.pipeline_tasks import PER_MICROBATCH, fmt
 from sbpc.runtime.plan import Plan
@@ -74,7 +77,8 @@ class Boxing:
     loc: str
 
 
-def render_report(plan: Plan) -> str:
+def render_report(plan: Plan, cluster: Cluster | None = None) -> str:
+    """The page; with ``cluster``, also `sbpc simulate`'s prediction on it (its own section)."""
     source = resources.files("sbpc.codegen_templates").joinpath("report.html.j2").read_text()
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     counts = collections.Counter((i.role, i.op) for s in plan.stages for i in s.instructions)
@@ -88,11 +92,11 @@ def render_report(plan: Plan) -> str:
         memory=_memory_bars(plan), terms=TERM_COLOURS, phases=PHASE_COLOURS, comm=comm, boxings=boxings,
         width=WIDTH, row=ROW, stage_grids=STAGE_GRIDS,
         mib=lambda b: f"{b / 2**20:,.2f} MiB", size=size_text, ms=lambda s: f"{s * 1e3:,.3f} ms",
-        flop=_flop_text, layers=_layers_text)
+        flop=_flop_text, layers=_layers_text, sim=simulate(plan, cluster) if cluster is not None else None)
 
 
-def write_report(plan: Plan, path: str) -> None:
-    write_atomic(path, render_report(plan))
+def write_report(plan: Plan, path: str, cluster: Cluster | None = None) -> None:
+    write_atomic(path, render_report(plan, cluster))
 
 
 def rank_grids(plan: Plan) -> list[RankGrid]:
