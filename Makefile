@@ -18,7 +18,7 @@ demo: setup
 	$(SBPC) check examples/gpt.py --mesh 2x2x2 --microbatches 4 --config examples/gpt.megatron.toml
 	$(SBPC) compile examples/gpt.py --mesh 2x2x2 --microbatches 4 --config examples/gpt.megatron.toml -o out/gpt.2x2x2.json --trace out/gpt.2x2x2.sim.json
 	$(SBPC) inspect out/gpt.2x2x2.json --schedule
-	$(SBPC) run out/gpt.2x2x2.json --steps 3 --trace out/gpt.2x2x2.trace.json
+	$(SBPC) run out/gpt.2x2x2.json --data stdlib --steps 30 --log-interval 5 --trace out/gpt.2x2x2.trace.json
 	$(SBPC) check examples/hf_gpt2.py --mesh 2x2 --config examples/hf_gpt2.megatron.toml --steps 2
 	$(SBPC) compile examples/gpt.py --mesh 1x2 --config examples/gpt.megatron.toml --set hidden=1024 --set heads=8 --set vocab=8192 --set seq=128 -o out/gpt.tp2.json
 	$(SBPC) inspect out/gpt.tp2.json --collectives | grep -E 'fwd|bwd|^//'

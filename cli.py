@@ -1,4 +1,5 @@
-"""The `sbpc` command: compile, memory, inspect, diff, report, run, launch, check, explain, simulate, opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, report, run, train, corpus, launch, check, explain, simulate,
+opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,8 @@ import os
 import sys
 
 from sbpc.errors import UsageError, guarded_main
-from sbpc.runtime.cli import ArgumentParser, add_run_arguments, run_command
+from sbpc.runtime.cli import ArgumentParser, add_run_arguments, add_train_arguments, run_command
+from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
 from sbpc.runtime.kinds import Precision, Recompute, ScheduleName
 
 
@@ -245,6 +247,32 @@ def cmd_check(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_train(args) -> int:
+    """Compile in memory, as `sbpc check` does, then train the plan as `sbpc run` would."""
+    import tempfile
+
+    from sbpc.runtime.plan import save_plan
+
+    result, _, _ = _compile(args)
+    with tempfile.TemporaryDirectory(prefix="sbpc-train-") as tmp:  # spawned ranks read the plan from a file
+        args.plan = os.path.join(tmp, "plan.json")
+        save_plan(result.plan, args.plan)
+        return run_command(args)
+
+
+def cmd_corpus(args) -> int:
+    from sbpc.runtime.corpus import build_corpus
+
+    if args.max_bytes < 1:
+        raise UsageError(f"--max-bytes {args.max_bytes} must be positive")
+    path = build_corpus(args.output, args.max_bytes)
+    with open(path + ".json") as f:
+        meta = json.load(f)
+    print(f"wrote {meta['tokens']:,} byte-level tokens from {meta['files']} files of the {meta['source']} "
+          f"to {path}")
+    return 0
+
+
 def cmd_opt(args) -> int:
     """Parse text IR, run passes over it, print the result (like mlir-opt / xdsl-opt)."""
     from sbpc.compiler.ir.parser import parse_graph
@@ -368,9 +396,18 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     h.add_argument("--cluster", metavar="NAME|FILE", help="add `sbpc simulate`'s prediction on this cluster")
     h.set_defaults(fn=cmd_report)
-    r = sub.add_parser("run", help="run a plan on synthetic batches")
+    r = sub.add_parser("run", help="train a plan on --data, or on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
+    t = sub.add_parser("train", help="compile a model in memory and train it (on --data, or synthetic batches)")
+    _model_arguments(t)
+    add_train_arguments(t)
+    t.set_defaults(fn=cmd_train)
+    cp = sub.add_parser("corpus", help="build the offline corpus: the Python standard library's sources as byte tokens")
+    cp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write stdlib-<version>.bin into")
+    cp.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="cap on the corpus size in bytes "
+                                                                          "(default 4 MiB)")
+    cp.set_defaults(fn=cmd_corpus)
     la = sub.add_parser("launch", help="write the script that starts a plan's ranks on several nodes (torchrun, slurm)")
     la.add_argument("plan")
     la.add_argument("--nodes", type=int, required=True, help="nodes; each runs world size / nodes ranks")
@@ -420,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, h, r, la, k, e, sm, s, o):
+    for sp in (c, mm, i, d, h, r, t, cp, la, k, e, sm, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

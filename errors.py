@@ -65,6 +65,11 @@ class WeightsError(SbpcError):
     """A weights file is missing, unreadable, or does not match the plan's parameters."""
 
 
+class DataError(SbpcError):
+    """A training data file is missing, empty, of the wrong dtype, or holds token ids the model's
+    vocabulary does not have."""
+
+
 def guarded_main(body, argv_debug: bool, prog: str = "sbpc") -> int:
     """Run a CLI body: an SbpcError ends in one line and exit 2; --debug shows the traceback."""
     import os

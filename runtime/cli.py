@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from sbpc.errors import SbpcError, UsageError, guarded_main
+from sbpc.runtime.lr_schedule import DecayStyle, LrSchedule
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -19,10 +19,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON written by `sbpc compile`")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the plan's compiled one)")
+    add_train_arguments(p)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a training run, shared by `sbpc run` and `sbpc train` (docs/training.md)."""
     p.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weight init and the synthetic batches")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weight init, the data order and the synthetic batches")
     p.add_argument("--backend", default="cpu", help="cpu (torch CPU + gloo, the default) or cuda (torch CUDA + NCCL "
                                                     "through CuPy, one process per GPU; pip install -e '.[cuda]')")
+    p.add_argument("--ranks", choices=["processes", "threads"], default="processes",
+                   help="run the ranks of a multi-device plan as processes (default) or as threads of this process")
     p.add_argument("--weights", help="start from this state_dict (.pt) or .safetensors file instead of the seeded init")
     p.add_argument("--save", help="write the final weights here (.pt or .safetensors), atomically")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: the cores divided among the ranks)")
@@ -31,14 +39,36 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "and the run ends naming the rank it waited for (default 300)")
     p.add_argument("--trace", metavar="FILE", help="write the run's timeline (Chrome/Perfetto JSON): a track per rank, "
                                                    "a slice per actor firing")
+    d = p.add_argument_group("data (default: synthetic batches from the model file's example_batch)")
+    d.add_argument("--data", metavar="PATH", help="token file (.npy, or .bin with --data-dtype or a .bin.json sidecar), "
+                                                  "UTF-8 text (byte-level tokens), or `stdlib` (the offline corpus)")
+    d.add_argument("--data-dtype", choices=["uint16", "uint32"], help="token dtype of a raw .bin file")
+    d.add_argument("--tokenizer", metavar="FILE", help="tokenize a text --data file with this Hugging Face "
+                                                      "tokenizers JSON file (needs the tokenizers package)")
+    s = p.add_argument_group("learning rate schedule (Megatron-LM's: linear warmup, then decay to --min-lr)")
+    s.add_argument("--min-lr", type=float, default=0.0, help="the rate at the end of the decay (default 0)")
+    s.add_argument("--lr-warmup-steps", type=int, default=0, help="steps of linear warmup to the peak (default 0)")
+    s.add_argument("--lr-decay-steps", type=int, default=0,
+                   help="step at which the decay reaches --min-lr, counted from 0 (default 0: no decay)")
+    s.add_argument("--lr-decay-style", choices=[x.value for x in DecayStyle], default="cosine")
+    g = p.add_argument_group("logs (rank 0)")
+    g.add_argument("--log-interval", type=int, default=1, help="log every N steps (default 1)")
+    g.add_argument("--metrics", metavar="FILE", help="write each logged step's keys as a JSON line here")
+    g.add_argument("--log-dir", metavar="DIR", help="write metrics.jsonl into this directory")
+    g.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars here (needs the tensorboard package)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="a progress bar with ETA (default: when stdout is a terminal)")
 
 
-_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug", "trace")
+_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug", "trace", "lr",
+                 "data", "data_dtype", "tokenizer", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                 "log_interval", "metrics", "tensorboard", "progress")
 
 
 def run_command(args: argparse.Namespace, out=None) -> int:
     """Run a plan: in this process for a one-device plan, as this rank of an existing group
-    under torchrun (RANK and WORLD_SIZE set), else by spawning one local process per rank."""
+    under torchrun (RANK and WORLD_SIZE set), else by spawning one local process (or thread,
+    ``--ranks threads``) per rank. Flags, files and data are checked here, before any rank starts."""
     from sbpc.runtime import dist
     from sbpc.runtime.plan import load_plan
 
@@ -62,6 +92,7 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         from sbpc.runtime.weights import check_weights_path
 
         check_weights_path(args.weights)
+    _prepare_training(args, plan, out)
     if dist.under_torchrun():
         world = dist.env_world_size()
         if world != plan.world_size:
@@ -72,6 +103,50 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         return _spawn(args, plan, out)
     train(args, plan, None, out)
     return 0
+
+
+def _prepare_training(args: argparse.Namespace, plan, out) -> None:
+    """Resolve ``--data stdlib`` (built once into the cache), check the data against the plan,
+    the schedule's and the log's flags: bad input is exit 2 before a rank starts."""
+    from sbpc.runtime.corpus import resolve_data
+    from sbpc.runtime.data import check_data
+    from sbpc.runtime.train_log import check_log_options, wants_progress
+
+    if getattr(args, "log_dir", None) and not getattr(args, "metrics", None):
+        from sbpc.runtime.files import check_output_dir
+
+        check_output_dir(args.log_dir, "logs (--log-dir)")
+        os.makedirs(args.log_dir, exist_ok=True)
+        args.metrics = os.path.join(args.log_dir, "metrics.jsonl")
+    if getattr(args, "data", None):
+        args.data = resolve_data(args.data)
+    check_data(plan, data_options(args))
+    schedule_of(args, plan)
+    check_log_options(log_options(args))
+    if getattr(args, "progress", None) is None:  # the launcher's terminal decides, not a rank's pipe
+        args.progress = wants_progress(out)
+
+
+def data_options(args: argparse.Namespace):
+    from sbpc.runtime.data import DataOptions
+
+    return DataOptions(path=getattr(args, "data", None), dtype=getattr(args, "data_dtype", None),
+                       tokenizer=getattr(args, "tokenizer", None))
+
+
+def schedule_of(args: argparse.Namespace, plan) -> LrSchedule:
+    """The run's schedule; the peak is --lr, else the plan's compiled rate."""
+    lr = getattr(args, "lr", None)
+    return LrSchedule(lr=lr if lr is not None else plan.optimizer.lr, min_lr=getattr(args, "min_lr", 0.0),
+                      warmup_steps=getattr(args, "lr_warmup_steps", 0), decay_steps=getattr(args, "lr_decay_steps", 0),
+                      style=DecayStyle(getattr(args, "lr_decay_style", "cosine")))
+
+
+def log_options(args: argparse.Namespace):
+    from sbpc.runtime.train_log import LogOptions
+
+    return LogOptions(interval=getattr(args, "log_interval", 1), metrics=getattr(args, "metrics", None),
+                      tensorboard=getattr(args, "tensorboard", None), progress=getattr(args, "progress", None))
 
 
 def check_backend(name: str, ranks: int, plan=None) -> None:
@@ -89,13 +164,15 @@ def check_backend(name: str, ranks: int, plan=None) -> None:
 
 
 def train(args: argparse.Namespace, plan, communicator, out) -> dict:
-    """The training loop of one rank (the only one when ``communicator`` is None). Prints to
+    """The training run of one rank (the only one when ``communicator`` is None). Logs to
     ``out`` unless it is None; every rank must call it (gathers are collectives)."""
     import torch
 
     from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.data import make_batches
     from sbpc.runtime.precision import LOSS_SCALE, SKIPPED_STEPS
-    from sbpc.runtime.runner import BatchSource, make_runner, step_seed
+    from sbpc.runtime.runner import make_runner
+    from sbpc.runtime.training import TrainOptions, train_loop
     from sbpc.runtime.weights import load_weights, save_weights
 
     if args.threads:
@@ -105,17 +182,9 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     weights = load_weights(args.weights, plan) if args.weights else None
     runner = make_runner(plan, backend, seed=args.seed, weights=weights)
     weights = None
-    batches = BatchSource(plan, args.seed)
-    losses = []
-    start = time.perf_counter()
-    for step in range(args.steps):
-        result = runner.step(batches(step), rng_seed=step_seed(args.seed, step))
-        losses.append(result.loss)
-        if out is not None:
-            print(f"step {step}: loss {result.loss:.6f}", file=out, flush=True)
-    elapsed = time.perf_counter() - start
-    if args.steps and out is not None:
-        print(f"{args.steps} steps in {elapsed:.2f}s ({args.steps / elapsed:.2f} steps/s)", file=out, flush=True)
+    batches = make_batches(plan, data_options(args), args.seed, cut=runner.batch_part)
+    options = TrainOptions(steps=args.steps, seed=args.seed, schedule=schedule_of(args, plan), log=log_options(args))
+    result = train_loop(runner, batches, options, out)
     skipped = None
     if plan.precision.loss_scaling is not None:  # fp16: the scaler's states, whole on every rank
         states = runner.logical_states()  # a collective: every rank takes part
@@ -131,7 +200,8 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
             save_weights({k: v.detach().cpu() for k, v in state.items()}, args.save)
             if out is not None:
                 print(f"saved weights to {args.save}", file=out, flush=True)
-    return {"losses": losses, "seconds": elapsed, "skipped_steps": skipped}
+    return {"losses": result.losses, "seconds": result.seconds, "skipped_steps": skipped,
+            "metrics": [log.record() for log in result.logs]}
 
 
 def _write_trace(path: str, runner, backend, out) -> None:
@@ -163,16 +233,25 @@ def run_rank(payload: dict) -> dict:
 
 def _spawn(args: argparse.Namespace, plan, out) -> int:
     from sbpc.runtime.launch import launch
+    from sbpc.runtime.train_log import ProgressRelay
 
     payload = {k: getattr(args, k, None) for k in _PAYLOAD_KEYS}
     payload["timeout"] = getattr(args, "timeout", 300.0)
+    relay = ProgressRelay(out)
 
     def show(rank: int, line: str) -> None:
-        (out if rank == 0 else sys.stderr).write(line if rank == 0 else f"[rank {rank}] {line}")
-        (out if rank == 0 else sys.stderr).flush()
+        if rank == 0:
+            relay.line(line)
+        else:
+            sys.stderr.write(f"[rank {rank}] {line}")
+            sys.stderr.flush()
 
-    launch(plan.world_size, "sbpc.runtime.cli:run_rank", payload, timeout=payload["timeout"], on_output=show,
-           echo_stderr=bool(getattr(args, "debug", False)), threads=args.threads)
+    try:
+        launch(plan.world_size, "sbpc.runtime.cli:run_rank", payload, timeout=payload["timeout"], on_output=show,
+               echo_stderr=bool(getattr(args, "debug", False)), threads=args.threads,
+               ranks=getattr(args, "ranks", "processes"))
+    finally:
+        relay.close()
     return 0
 
 

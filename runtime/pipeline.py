@@ -19,7 +19,7 @@ from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
-from sbpc.runtime.runner import Firing, Runner, StepResult
+from sbpc.runtime.runner import Firing, LocalBatch, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
 from sbpc.runtime.sharding import take_chunk, unpad
 
@@ -120,7 +120,7 @@ class PipelineRunner(Runner):
         self._last_of_mb = self._last_tasks()
 
     # ----- one step
-    def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
+    def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
              keep_grads: bool = False) -> StepResult:
         self._check_batch(batch)
         self._seed_step(rng_seed)
@@ -173,15 +173,26 @@ class PipelineRunner(Runner):
                 acc[v] = t if v not in acc else acc[v] + t
         return self._send(task, env, local)
 
+    def batch_part(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's part of logical batch input ``i``: its shard of each micro-batch, joined in
+        micro-batch order along the micro-batch split (``_microbatch`` cuts it back)."""
+        spec = self.plan.batch[i]
+        if spec.microbatch is None or self.m == 1:
+            return self._shard(t, spec)
+        split = parse_sbp(spec.microbatch)
+        return torch.cat([self._shard(take_chunk(t, split, j, self.m), spec) for j in range(self.m)], dim=split.dim)
+
     def _microbatch(self, batch, j: int) -> dict[str, torch.Tensor]:
+        """Micro-batch ``j`` of this rank's part of each batch input this stage reads."""
+        local = isinstance(batch, LocalBatch)
         env = {}
-        for b, spec in zip(batch, self.plan.batch):
+        for i, (b, spec) in enumerate(zip(batch.tensors if local else batch, self.plan.batch)):
             if spec.value not in self._batch_here:
                 continue
-            part = b
+            part = b if local else self.batch_part(b, i)
             if spec.microbatch is not None and self.m > 1:
-                part = take_chunk(b, parse_sbp(spec.microbatch), j, self.m)
-            env[spec.value] = self._shard(part, spec).to(self.backend.device)
+                part = take_chunk(part, parse_sbp(spec.microbatch), j, self.m)
+            env[spec.value] = part.to(self.backend.device)
         return env
 
     def _peer(self, chunk: int) -> int:

@@ -43,6 +43,13 @@ class Firing:
     stream: str = "compute"  # "comm dp": a collective in flight on axis dp (issue to wait)
 
 
+@dataclass(frozen=True)
+class LocalBatch:
+    """A batch already cut for this rank: each batch input as ``Runner.batch_part`` cuts it (a
+    data loader that reads only this rank's rows hands these to ``step``)."""
+    tensors: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -143,14 +150,22 @@ class Runner:
             return t
         return local_shard(t, self.spec_sbp[spec.name], self.coords, self.sizes)
 
-    def step(self, batch: tuple[torch.Tensor, ...], *, rng_seed: int | None = None,
+    def batch_part(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's part of logical batch input ``i``: what ``step`` feeds its program (a
+        ``LocalBatch`` holds these)."""
+        return self._shard(t, self.plan.batch[i])
+
+    def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
              keep_grads: bool = False) -> StepResult:
-        """One training step. ``rng_seed`` seeds torch's RNG first, so dropout masks are those of
-        an eager step seeded the same way (the program draws them in eager's order)."""
+        """One training step on the logical ``batch`` (or this rank's ``LocalBatch`` of it).
+        ``rng_seed`` seeds torch's RNG first, so dropout masks are those of an eager step seeded
+        the same way (the program draws them in eager's order)."""
         self._check_batch(batch)
         self._seed_step(rng_seed)
+        parts = batch.tensors if isinstance(batch, LocalBatch) else \
+            [self.batch_part(b, i) for i, b in enumerate(batch)]
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
-               *(self._shard(b, spec).to(self.backend.device) for b, spec in zip(batch, self.plan.batch))]
+               *(b.to(self.backend.device) for b in parts)]
         start = time.time()
         loss, *rest = self.program.run(env)
         self.firings.append(Firing("step", start, time.time(), self.steps))
@@ -232,12 +247,17 @@ class Runner:
         return t
 
     def _check_batch(self, batch) -> None:
-        if len(batch) != len(self.plan.batch):
-            raise RuntimeFailure(f"batch has {len(batch)} tensors, the plan takes {len(self.plan.batch)}",
+        local = isinstance(batch, LocalBatch)
+        tensors = batch.tensors if local else batch
+        if len(tensors) != len(self.plan.batch):
+            raise RuntimeFailure(f"batch has {len(tensors)} tensors, the plan takes {len(self.plan.batch)}",
                                  hint="example_batch() changed since the compile; recompile the plan")
-        for t, spec in zip(batch, self.plan.batch):
-            if list(t.shape) != spec.shape or str(t.dtype) != f"torch.{spec.dtype}":
-                raise RuntimeFailure(f"{spec.name} is {t.dtype} {list(t.shape)}, the plan was compiled for {spec.dtype} {spec.shape}",
+        for t, spec in zip(tensors, self.plan.batch):
+            shape = list(local_shape(spec.shape, self.spec_sbp[spec.name], self.sizes)) if local else spec.shape
+            if list(t.shape) != shape or str(t.dtype) != f"torch.{spec.dtype}":
+                part = " (this rank's part)" if local else ""
+                raise RuntimeFailure(f"{spec.name} is {t.dtype} {list(t.shape)}, the plan was compiled for "
+                                     f"{spec.dtype} {shape}{part}",
                                      hint="recompile with the batch size and --set values used here")
 
 

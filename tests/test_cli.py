@@ -20,7 +20,7 @@ def test_compile_run_inspect(tmp_path):
     assert re.search(r"compiled examples/mlp\.py for mesh 1: \d+ instructions, 10,952 parameters", out.stdout)
     run = sbpc("run", str(plan), "--steps", "3", "--save", str(tmp_path / "w.pt"))
     assert run.returncode == 0, run.stderr
-    assert re.findall(r"step (\d): loss", run.stdout) == ["0", "1", "2"]
+    assert re.findall(r"^ iteration +(\d)/ +3 \|", run.stdout, re.M) == ["1", "2", "3"]
     assert (tmp_path / "w.pt").exists()
     text = sbpc("inspect", str(plan)).stdout
     filecheck(text, """

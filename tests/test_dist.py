@@ -261,7 +261,7 @@ def _cli_reference(tmp_path, steps: int):
 
 
 def _losses(stdout: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", stdout, re.M)]
+    return [float(x) for x in re.findall(r"^ iteration .*\| lm loss: (\S+) \|", stdout, re.M)]
 
 
 def test_sbpc_run_spawns_the_ranks_of_a_multi_device_plan(tmp_path, dp2_plan):
@@ -320,7 +320,7 @@ def test_one_device_runs_ignore_a_one_rank_torchrun(dp2_plan, tmp_path, monkeypa
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main([str(one), "--steps", "1"]) == 0
-    assert "step 0: loss" in capsys.readouterr().out
+    assert re.search(r"^ iteration +1/ +1 \|", capsys.readouterr().out, re.M)
 
 
 def test_collectives_on_one_device_are_the_identity():
