@@ -264,7 +264,7 @@ def cmd_corpus(args) -> int:
     from sbpc.runtime.corpus import build_corpus
 
     if args.max_bytes < 1:
-        raise UsageError(f"--max-bytes {args.max_bytes} must be positive")
+        raise UsageError(f"--max-bytes {args.max_bytes} must be positive", hint="the default is 4 MiB: --max-bytes 4194304")
     path = build_corpus(args.output, args.max_bytes)
     with open(path + ".json") as f:
         meta = json.load(f)

@@ -112,17 +112,18 @@ def _prepare_training(args: argparse.Namespace, plan, out) -> None:
     from sbpc.runtime.data import check_data
     from sbpc.runtime.train_log import check_log_options, wants_progress
 
-    if getattr(args, "log_dir", None) and not getattr(args, "metrics", None):
-        from sbpc.runtime.files import check_output_dir
-
-        check_output_dir(args.log_dir, "logs (--log-dir)")
-        os.makedirs(args.log_dir, exist_ok=True)
-        args.metrics = os.path.join(args.log_dir, "metrics.jsonl")
+    schedule_of(args, plan)
+    check_log_options(log_options(args))
     if getattr(args, "data", None):
         args.data = resolve_data(args.data)
     check_data(plan, data_options(args))
-    schedule_of(args, plan)
-    check_log_options(log_options(args))
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir and not getattr(args, "metrics", None):
+        from sbpc.runtime.files import check_output_dir
+
+        check_output_dir(log_dir, "logs (--log-dir)")
+        os.makedirs(log_dir, exist_ok=True)  # only once the rest is known good: a refused run leaves nothing
+        args.metrics = os.path.join(log_dir, "metrics.jsonl")
     if getattr(args, "progress", None) is None:  # the launcher's terminal decides, not a rank's pipe
         args.progress = wants_progress(out)
 

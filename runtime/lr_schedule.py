@@ -31,12 +31,14 @@ class LrSchedule:
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or not math.isfinite(self.lr):
-            raise UsageError(f"--lr {self.lr:g} must be a positive number")
+            raise UsageError(f"--lr {self.lr:g} must be a positive number", hint="pass the peak rate, e.g. --lr 1e-3")
         if not 0 <= self.min_lr <= self.lr:
-            raise UsageError(f"--min-lr {self.min_lr:g} must be between 0 and --lr {self.lr:g}")
+            raise UsageError(f"--min-lr {self.min_lr:g} must be between 0 and --lr {self.lr:g}",
+                             hint="the floor of the decay is at most the peak, e.g. --min-lr 0.1 x --lr")
         if self.warmup_steps < 0 or self.decay_steps < 0:
             raise UsageError(f"warmup and decay steps must not be negative "
-                             f"(got --lr-warmup-steps {self.warmup_steps}, --lr-decay-steps {self.decay_steps})")
+                             f"(got --lr-warmup-steps {self.warmup_steps}, --lr-decay-steps {self.decay_steps})",
+                             hint="pass 0 or more steps")
         if self.decay_steps and self.decay_steps < self.warmup_steps:
             raise UsageError(f"--lr-decay-steps {self.decay_steps} ends before the warmup "
                              f"(--lr-warmup-steps {self.warmup_steps})",

@@ -66,7 +66,8 @@ class LogOptions:
 def check_log_options(options: LogOptions) -> None:
     """Refuse bad flags before any rank starts."""
     if options.interval < 1:
-        raise UsageError(f"--log-interval {options.interval} must be at least 1")
+        raise UsageError(f"--log-interval {options.interval} must be at least 1",
+                         hint="log every N steps with --log-interval N, e.g. 10")
     if options.metrics:
         check_output_path(options.metrics, "metrics (--metrics)")
     if options.tensorboard:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from conftest import sbpc
@@ -59,6 +60,27 @@ def compiled(edit: Callable[[str], str] | None = None, *flags: str) -> Callable[
             out.unlink()
         (tmp / "plan.json").write_text(edit(_plans[key]) if edit else _plans[key])
     return setup
+
+
+def compiled_lm(then: Callable[[Path], None] | None = None) -> Callable[[Path], None]:
+    """A setup that writes ``{tmp}/plan.json``: tests/models/tiny_lm.py (token ids, vocabulary
+    256, seq 8) compiled for mesh 1 once per session, then runs ``then`` (the data file)."""
+    def setup(tmp: Path) -> None:
+        if "lm" not in _plans:
+            from sbpc.cli import main
+
+            out = tmp / "_compiled.json"
+            assert main(["compile", "tests/models/tiny_lm.py", "-o", str(out)]) == 0
+            _plans["lm"] = out.read_text()
+            out.unlink()
+        (tmp / "plan.json").write_text(_plans["lm"])
+        if then is not None:
+            then(tmp)
+    return setup
+
+
+def _then(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
+    return lambda tmp: [s(tmp) for s in setups] and None
 
 
 def edit_json(change: Callable[[dict], None]) -> Callable[[str], str]:
@@ -329,7 +351,37 @@ CASES = [
     Case("launch-output-dir-missing", ["launch", "{tmp}/plan.json", "--nodes", "1", "--emit", "torchrun",
                                        "-o", "{tmp}/no/launch.sh"], "cannot write the launch script (--output)",
          compiled()),
-    # --- data files (sbpc train / --data): the train helper adds its rows here -------------
+    # --- data files (sbpc train / --data) --------------------------------------------------
+    Case("data-missing", ["run", "{tmp}/plan.json", "--data", "{tmp}/none.bin"],
+         "data file '{tmp}/none.bin' does not exist", compiled_lm()),
+    Case("data-empty", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.bin", "--data-dtype", "uint16"],
+         "data file '{tmp}/t.bin' is empty", compiled_lm(lambda tmp: (tmp / "t.bin").write_bytes(b""))),
+    Case("data-odd-bytes", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.bin", "--data-dtype", "uint16"],
+         "has 7 bytes, not a whole number of uint16 tokens", compiled_lm(lambda tmp: (tmp / "t.bin").write_bytes(b"1" * 7))),
+    Case("data-bin-dtype-unknown", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.bin"],
+         "the dtype of raw token file '{tmp}/t.bin' is unknown",
+         compiled_lm(lambda tmp: (tmp / "t.bin").write_bytes(b"\0" * 64))),
+    Case("data-float-npy", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.npy"], ("'{tmp}/t.npy'", "float32 array"),
+         compiled_lm(lambda tmp: np.save(tmp / "t.npy", np.zeros(64, dtype=np.float32)))),
+    Case("data-token-beyond-vocab", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.npy"],
+         ("token id 300 at position 5 of '{tmp}/t.npy'", "vocabulary of 256"),
+         compiled_lm(lambda tmp: np.save(tmp / "t.npy", np.array([1] * 5 + [300] + [2] * 58, dtype=np.uint16)))),
+    Case("data-too-short", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.npy"], "has 4 tokens, fewer than one window of 9",
+         compiled_lm(lambda tmp: np.save(tmp / "t.npy", np.arange(4, dtype=np.uint16)))),
+    Case("data-text-not-utf8", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.txt"], ("'{tmp}/t.txt'", "not UTF-8"),
+         compiled_lm(lambda tmp: (tmp / "t.txt").write_bytes(b"abc\xff" * 10))),
+    Case("data-tokenizer-missing", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.txt", "--tokenizer", "{tmp}/tok.json"],
+         "tokenizer", compiled_lm(lambda tmp: (tmp / "t.txt").write_text("hello " * 20))),
+    Case("data-on-a-float-plan", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.txt"],
+         ("--data feeds token ids [batch, seq]", "float32 [4, 32]"), _then(compiled(), write("t.txt", "hello " * 20))),
+    Case("train-decay-inside-warmup", ["run", "{tmp}/plan.json", "--lr-warmup-steps", "10", "--lr-decay-steps", "5"],
+         "--lr-decay-steps 5 ends before the warmup", compiled()),
+    Case("train-log-interval-zero", ["run", "{tmp}/plan.json", "--log-interval", "0"], "--log-interval 0 must be at least 1",
+         compiled()),
+    Case("train-metrics-dir-missing", ["run", "{tmp}/plan.json", "--metrics", "{tmp}/no/m.jsonl"],
+         "cannot write the metrics (--metrics)", compiled()),
+    Case("train-bad-data-leaves-no-log-dir", ["run", "{tmp}/plan.json", "--data", "{tmp}/none.bin", "--log-dir", "{tmp}/logs"],
+         "data file '{tmp}/none.bin' does not exist", compiled_lm()),
     # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here
 ]
 

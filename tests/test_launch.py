@@ -83,8 +83,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _losses(text: str) -> list[str]:
-    return re.findall(r"^step \d+: loss \S+$", text, re.M)
+def _losses(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"^ iteration +(\d+)/.*\| lm loss: (\S+) \|", text, re.M)
 
 
 @pytest.fixture(scope="module")
