@@ -8,7 +8,8 @@ import os
 import sys
 
 from sbpc.errors import UsageError, guarded_main
-from sbpc.runtime.cli import ArgumentParser, add_run_arguments, add_train_arguments, run_command
+from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, run_command,
+                              schedule_of)
 from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
 from sbpc.runtime.kinds import Precision, Recompute, ScheduleName
 
@@ -253,7 +254,12 @@ def cmd_train(args) -> int:
 
     from sbpc.runtime.plan import save_plan
 
+    check_training_flags(args)  # before the compile: its minute is not spent on a typo
+    schedule_of(args, args.lr)
     result, _, _ = _compile(args)
+    est, t = result.plan.estimates, result.timings
+    print(f"compiled {args.model} for mesh {args.mesh}: {est.param_count:,} parameters, {est.instructions} instructions "
+          f"in {t['total']:.1f}s; training {args.steps} steps", flush=True)
     with tempfile.TemporaryDirectory(prefix="sbpc-train-") as tmp:  # spawned ranks read the plan from a file
         args.plan = os.path.join(tmp, "plan.json")
         save_plan(result.plan, args.plan)

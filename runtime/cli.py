@@ -110,10 +110,10 @@ def _prepare_training(args: argparse.Namespace, plan, out) -> None:
     the schedule's and the log's flags: bad input is exit 2 before a rank starts."""
     from sbpc.runtime.corpus import resolve_data
     from sbpc.runtime.data import check_data
-    from sbpc.runtime.train_log import check_log_options, wants_progress
+    from sbpc.runtime.train_log import wants_progress
 
-    schedule_of(args, plan)
-    check_log_options(log_options(args))
+    schedule_of(args, plan.optimizer.lr)
+    check_training_flags(args)
     if getattr(args, "data", None):
         args.data = resolve_data(args.data)
     check_data(plan, data_options(args))
@@ -128,6 +128,19 @@ def _prepare_training(args: argparse.Namespace, plan, out) -> None:
         args.progress = wants_progress(out)
 
 
+def check_training_flags(args: argparse.Namespace) -> None:
+    """What needs no plan: the log flags and that --data names something (`sbpc train` checks
+    this before its compile, the rest after it)."""
+    from sbpc.runtime.corpus import STDLIB
+    from sbpc.runtime.data import missing_data
+    from sbpc.runtime.train_log import check_log_options
+
+    check_log_options(log_options(args))
+    data = getattr(args, "data", None)
+    if data and data != STDLIB and not os.path.exists(data):
+        raise missing_data(data)
+
+
 def data_options(args: argparse.Namespace):
     from sbpc.runtime.data import DataOptions
 
@@ -135,10 +148,10 @@ def data_options(args: argparse.Namespace):
                        tokenizer=getattr(args, "tokenizer", None))
 
 
-def schedule_of(args: argparse.Namespace, plan) -> LrSchedule:
+def schedule_of(args: argparse.Namespace, compiled_lr: float) -> LrSchedule:
     """The run's schedule; the peak is --lr, else the plan's compiled rate."""
     lr = getattr(args, "lr", None)
-    return LrSchedule(lr=lr if lr is not None else plan.optimizer.lr, min_lr=getattr(args, "min_lr", 0.0),
+    return LrSchedule(lr=lr if lr is not None else compiled_lr, min_lr=getattr(args, "min_lr", 0.0),
                       warmup_steps=getattr(args, "lr_warmup_steps", 0), decay_steps=getattr(args, "lr_decay_steps", 0),
                       style=DecayStyle(getattr(args, "lr_decay_style", "cosine")))
 
@@ -184,7 +197,8 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     runner = make_runner(plan, backend, seed=args.seed, weights=weights)
     weights = None
     batches = make_batches(plan, data_options(args), args.seed, cut=runner.batch_part)
-    options = TrainOptions(steps=args.steps, seed=args.seed, schedule=schedule_of(args, plan), log=log_options(args))
+    options = TrainOptions(steps=args.steps, seed=args.seed, schedule=schedule_of(args, plan.optimizer.lr),
+                           log=log_options(args))
     result = train_loop(runner, batches, options, out)
     skipped = None
     if plan.precision.loss_scaling is not None:  # fp16: the scaler's states, whole on every rank

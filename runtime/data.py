@@ -74,8 +74,7 @@ class Tokens:
 def open_tokens(path: str, *, dtype: str | None = None, tokenizer: str | None = None) -> Tokens:
     """The tokens of ``path`` (see the module docstring for the rules by file kind)."""
     if not os.path.isfile(path):
-        raise DataError(f"data file {path!r} does not exist",
-                        hint="pass a .npy or .bin token file or a UTF-8 text file; `sbpc corpus` builds one offline")
+        raise missing_data(path)
     if os.path.getsize(path) == 0:
         raise DataError(f"data file {path!r} is empty", hint="pass a file with at least seq + 1 tokens")
     ext = os.path.splitext(path)[1].lower()
@@ -88,6 +87,11 @@ def open_tokens(path: str, *, dtype: str | None = None, tokenizer: str | None = 
     if tokens.ids.size == 0:
         raise DataError(f"data file {path!r} holds no tokens", hint="pass a file with at least seq + 1 tokens")
     return tokens
+
+
+def missing_data(path: str) -> DataError:
+    return DataError(f"data file {path!r} does not exist",
+                     hint="pass a .npy or .bin token file or a UTF-8 text file; `sbpc corpus` builds one offline")
 
 
 def _read_npy(path: str) -> Tokens:

@@ -380,6 +380,8 @@ CASES = [
          compiled()),
     Case("train-metrics-dir-missing", ["run", "{tmp}/plan.json", "--metrics", "{tmp}/no/m.jsonl"],
          "cannot write the metrics (--metrics)", compiled()),
+    Case("train-data-missing-before-the-compile", ["train", "tests/models/tiny_lm.py", "--data", "{tmp}/none.bin"],
+         "data file '{tmp}/none.bin' does not exist"),
     Case("train-bad-data-leaves-no-log-dir", ["run", "{tmp}/plan.json", "--data", "{tmp}/none.bin", "--log-dir", "{tmp}/logs"],
          "data file '{tmp}/none.bin' does not exist", compiled_lm()),
     # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here

@@ -255,3 +255,50 @@ def test_sbpc_run_on_the_corpus_lowers_the_loss_and_logs_megatrons_keys(tiny_pla
                                                                 for x in lines]
     assert re.search(r"^memory after step 1 \(MiB per rank, resident set of the process\): r0:\S+ r1:\S+ r2:\S+ r3:\S+; "
                      r"estimated \(plan tensors only, docs/memory\.md\): stage 0:\S+ stage 1:\S+$", out, re.M), out
+
+
+# ----- the other sources, the log's parts
+
+
+def test_a_model_files_batches_resume_by_drawing_again():
+    from types import SimpleNamespace
+
+    from sbpc.runtime.data import ModelBatches
+
+    def batches(path, batch_size, seed, scale=1):
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            yield torch.randint(0, 9, (batch_size, 3), generator=gen) * scale, torch.zeros(batch_size)
+
+    plan = SimpleNamespace(model=SimpleNamespace(batch_size=2, sets={"scale": 10}, path="m.py"))
+    first = ModelBatches(batches, "data", plan, seed=5)
+    whole = [first.next() for _ in range(5)]
+    assert int(whole[0][0].max()) % 10 == 0  # the --set values reach batches()
+    again = ModelBatches(batches, "data", plan, seed=5)
+    again.restore(LoaderState(index=3))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[3:], [again.next(), again.next()]))
+
+
+def test_the_launcher_turns_rank_zeros_progress_lines_into_its_bar():
+    import io
+
+    from sbpc.runtime.train_log import PROGRESS_MARK, ProgressRelay
+
+    out = io.StringIO()
+    relay = ProgressRelay(out)
+    relay.line("before the first step\n")
+    relay.line(f"{PROGRESS_MARK}1 4 5.5\n")
+    relay.line(" iteration        1/       4 | ...\n")
+    relay.line(f"{PROGRESS_MARK}4 4 3.25\n")
+    relay.close()
+    text = out.getvalue()
+    assert PROGRESS_MARK not in text and "before the first step\n" in text and " iteration        1/" in text
+    assert "4/4" in text and "lm loss 3.2500" in text  # tqdm's bar, drawn by the launcher
+
+
+def test_tensorboard_without_its_package_is_a_usage_error(tmp_path, monkeypatch):
+    from sbpc.runtime.train_log import LogOptions, check_log_options
+
+    monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
+    with pytest.raises(UsageError, match="--tensorboard needs the tensorboard package"):
+        check_log_options(LogOptions(tensorboard=str(tmp_path / "tb")))
