@@ -358,6 +358,14 @@ def cmd_launch(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from sbpc.runtime.checkpoint import export
+
+    directory, count = export(args.checkpoint, args.output, strip=args.strip)
+    print(f"wrote {count} tensors of {directory} to {args.output}")
+    return 0
+
+
 def cmd_schema(args) -> int:
     from sbpc.runtime.plan import Plan
 
@@ -457,13 +465,19 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--layers", type=int, metavar="N",
                     help="the plan's repeated layer (h.0, h.1, ...) stands for N identical layers (docs/cost_model.md)")
     sm.set_defaults(fn=cmd_simulate)
+    x = sub.add_parser("export", help="write a checkpoint's consolidated logical weights to one .safetensors file")
+    x.add_argument("checkpoint", help="a --save directory (its newest complete checkpoint) or one step_* directory")
+    x.add_argument("-o", "--output", default="model.safetensors", help="file to write (default model.safetensors)")
+    x.add_argument("--strip", metavar="PREFIX", help="keep only the tensors whose names start with PREFIX, without it "
+                                                     "(model. for examples/hf_gpt2.py, so from_pretrained finds its names)")
+    x.set_defaults(fn=cmd_export)
     s = sub.add_parser("schema", help="print the JSON Schema of the plan format")
     s.set_defaults(fn=cmd_schema)
     o = sub.add_parser("opt", help="run passes over a text-IR file and print the result")
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, h, r, t, cp, la, k, e, sm, s, o):
+    for sp in (c, mm, i, d, h, r, t, cp, la, k, e, sm, x, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -70,6 +70,11 @@ class DataError(SbpcError):
     vocabulary does not have."""
 
 
+class CheckpointError(SbpcError):
+    """A checkpoint directory is missing, incomplete, corrupt, of another schema version, or
+    does not match the plan it is resumed into."""
+
+
 def guarded_main(body, argv_debug: bool, prog: str = "sbpc") -> int:
     """Run a CLI body: an SbpcError ends in one line and exit 2; --debug shows the traceback."""
     import os

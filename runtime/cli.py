@@ -32,7 +32,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", choices=["processes", "threads"], default="processes",
                    help="run the ranks of a multi-device plan as processes (default) or as threads of this process")
     p.add_argument("--weights", help="start from this state_dict (.pt) or .safetensors file instead of the seeded init")
-    p.add_argument("--save", help="write the final weights here (.pt or .safetensors), atomically")
+    p.add_argument("--save", metavar="PATH",
+                   help="a directory: write resumable checkpoints into it (every rank its shards, one index; "
+                        "docs/checkpoints.md), at the end and every --save-every steps; a .pt or .safetensors "
+                        "file: write the final logical weights there")
+    p.add_argument("--save-every", type=int, metavar="N", help="also checkpoint after every N steps (with --save DIR)")
+    p.add_argument("--keep", type=int, default=0, metavar="K",
+                   help="keep only the K newest checkpoints in --save DIR (default 0: keep all)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="start from this checkpoint (a --save directory: its newest complete checkpoint) on any "
+                        "mesh or layout, and run on to --steps steps in all")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: the cores divided among the ranks)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a rank waiting longer than this for its peers (rendezvous or a collective) fails, "
@@ -60,7 +69,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="a progress bar with ETA (default: when stdout is a terminal)")
 
 
-_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "threads", "timeout", "debug", "trace", "lr",
+_PAYLOAD_KEYS = ("plan", "steps", "seed", "backend", "weights", "save", "save_every", "keep", "resume", "threads",
+                 "timeout", "debug", "trace", "lr",
                  "data", "data_dtype", "tokenizer", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
                  "log_interval", "metrics", "tensorboard", "progress")
 
@@ -79,9 +89,9 @@ def run_command(args: argparse.Namespace, out=None) -> int:
         raise UsageError(f"--timeout {args.timeout:g} must be positive", hint="pass the seconds a rank may wait, e.g. --timeout 300")
     from sbpc.runtime.files import check_output_path
 
-    for flag, what in (("save", "weights (--save)"), ("trace", "trace (--trace)")):
-        if getattr(args, flag, None):
-            check_output_path(getattr(args, flag), what)
+    check_checkpoint_arguments(args)
+    if getattr(args, "trace", None):
+        check_output_path(args.trace, "trace (--trace)")
     plan = load_plan(args.plan)
     check_backend(getattr(args, "backend", "cpu"), plan.world_size, plan)
     if plan.pipeline is not None:
@@ -93,6 +103,8 @@ def run_command(args: argparse.Namespace, out=None) -> int:
 
         check_weights_path(args.weights)
     _prepare_training(args, plan, out)
+    if getattr(args, "resume", None):
+        _check_resume(args, plan)
     if dist.under_torchrun():
         world = dist.env_world_size()
         if world != plan.world_size:
@@ -139,6 +151,49 @@ def check_training_flags(args: argparse.Namespace) -> None:
     data = getattr(args, "data", None)
     if data and data != STDLIB and not os.path.exists(data):
         raise missing_data(data)
+def saves_weights_file(path: str | None) -> bool:
+    """--save names a weights file (the final logical weights), not a checkpoint directory."""
+    return bool(path) and path.endswith((".pt", ".safetensors"))
+
+
+def check_checkpoint_arguments(args: argparse.Namespace) -> None:
+    """--save, --save-every, --keep and --resume, checked before any work."""
+    from sbpc.runtime.files import check_output_dir, check_output_path
+
+    save, every, keep = getattr(args, "save", None), getattr(args, "save_every", None), getattr(args, "keep", 0) or 0
+    if saves_weights_file(save):
+        check_output_path(save, "weights (--save)")
+    elif save:
+        check_output_dir(save, "checkpoints (--save)")
+    if every is not None and every < 1:
+        raise UsageError(f"--save-every {every} must be 1 or more", hint="pass the steps between checkpoints, e.g. --save-every 100")
+    if keep < 0:
+        raise UsageError(f"--keep {keep} is negative", hint="pass how many checkpoints to keep, or 0 to keep all")
+    if (every is not None or keep) and (not save or saves_weights_file(save)):
+        raise UsageError("--save-every and --keep need --save DIR (a checkpoint directory)",
+                         hint="add --save ckpt/ (a .pt or .safetensors --save writes only the final weights)")
+    if getattr(args, "resume", None) and getattr(args, "weights", None):
+        raise UsageError("--resume and --weights both give the starting weights",
+                         hint="pass one: --resume DIR restores weights, optimizer state and step")
+
+
+def _check_resume(args: argparse.Namespace, plan) -> None:
+    """The checkpoint is complete, intact and of the plan's model: one line before any rank
+    starts. A schedule other than the checkpoint's is the run's to choose, but said."""
+    from sbpc.runtime.checkpoint import open_checkpoint
+
+    directory, index = open_checkpoint(args.resume, plan)
+    saved, mine = index.train.schedule, schedule_state(schedule_of(args, plan.optimizer.lr))
+    changed = [k for k in mine if saved is not None and saved.get(k) != mine[k]]
+    if changed:
+        print(f"sbpc: warning: resuming {directory} with another learning rate schedule: "
+              + ", ".join(f"{k} {mine[k]} (the checkpoint's: {saved.get(k)})" for k in changed), file=sys.stderr)
+
+
+def schedule_state(schedule: LrSchedule) -> dict:
+    """The schedule as a checkpoint stores it: its configuration (the rate is a function of the step)."""
+    return {"lr": schedule.lr, "min_lr": schedule.min_lr, "warmup_steps": schedule.warmup_steps,
+            "decay_steps": schedule.decay_steps, "style": schedule.style.value}
 
 
 def data_options(args: argparse.Namespace):
@@ -183,7 +238,8 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     import torch
 
     from sbpc.runtime.backend import make_backend
-    from sbpc.runtime.data import make_batches
+    from sbpc.runtime.checkpoint import Checkpointer, load_into
+    from sbpc.runtime.data import LoaderState, make_batches
     from sbpc.runtime.precision import LOSS_SCALE, SKIPPED_STEPS
     from sbpc.runtime.runner import make_runner
     from sbpc.runtime.training import TrainOptions, train_loop
@@ -196,9 +252,21 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     weights = load_weights(args.weights, plan) if args.weights else None
     runner = make_runner(plan, backend, seed=args.seed, weights=weights)
     weights = None
-    batches = make_batches(plan, data_options(args), args.seed, cut=runner.batch_part)
-    options = TrainOptions(steps=args.steps, seed=args.seed, schedule=schedule_of(args, plan.optimizer.lr),
-                           log=log_options(args))
+    seed, first, position = args.seed, 0, None
+    if getattr(args, "resume", None):
+        resumed = load_into(runner, args.resume)
+        # the data order, batches and dropout of the steps to come are the saved run's
+        seed, first, position = resumed.seed, resumed.step, resumed.data
+        if out is not None:
+            print(f"resumed from {args.resume} after step {first} (seed {seed})", file=out, flush=True)
+    batches = make_batches(plan, data_options(args), seed, cut=runner.batch_part)
+    if position is not None:
+        batches.restore(LoaderState.model_validate(position))
+    saves = Checkpointer(args.save, getattr(args, "save_every", None), getattr(args, "keep", 0) or 0) \
+        if args.save and not saves_weights_file(args.save) else None
+    schedule = schedule_of(args, plan.optimizer.lr)
+    options = TrainOptions(steps=args.steps, seed=seed, schedule=schedule, log=log_options(args), start=first,
+                           saves=saves, schedule_state=schedule_state(schedule))
     result = train_loop(runner, batches, options, out)
     skipped = None
     if plan.precision.loss_scaling is not None:  # fp16: the scaler's states, whole on every rank
@@ -209,7 +277,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
                   f"loss scale {float(states[LOSS_SCALE]):g}", file=out, flush=True)
     if getattr(args, "trace", None):
         _write_trace(args.trace, runner, backend, out)
-    if args.save:
+    if saves_weights_file(args.save):
         state = runner.logical_weights()  # every rank takes part in the gathers
         if backend.communicator.rank == 0:
             save_weights({k: v.detach().cpu() for k, v in state.items()}, args.save)

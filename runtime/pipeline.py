@@ -328,6 +328,18 @@ class PipelineRunner(Runner):
                  if b.name in self.buffers and self._first_holder(b.value)}
         return self._collect({**mine, **first}) or {}
 
+    def checkpoint_tensors(self) -> dict:
+        """What this stage updates (a tied weight from its owner's stage only) and the buffers
+        of the first stage that reads them: each logical tensor comes from one stage."""
+        from sbpc.runtime.checkpoint import Held
+
+        return {**{p.name: Held(self.params[p.name], p, "param") for p in self.plan.params
+                   if p.name in self.params and self._owner_here(p)},
+                **{b.name: Held(self.buffers[b.name], b, "buffer") for b in self.plan.buffers
+                   if b.name in self.buffers and self._first_holder(b.value)},
+                **{s.name: Held(self.states[s.name], s, "state") for s in self.plan.states
+                   if s.name in self.states and s.update in self._made_here}}
+
     def _owner_here(self, p) -> bool:
         return p.update in self._made_here
 

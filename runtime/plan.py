@@ -285,11 +285,15 @@ def load_plan(path: str) -> Plan:
     try:
         plan = Plan.model_validate(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PlanError(f"plan {path} is malformed at {where}: {first['msg']}",
+        raise PlanError(f"plan {path} is malformed at {first_problem(err)}",
                         hint="the file was edited or corrupted; recompile it with sbpc compile") from err
     if plan.digest is not None and plan.digest != plan.content_digest():
         raise PlanError(f"plan {path} was changed after sbpc wrote it: its content does not match its digest",
                         hint="recompile it with sbpc compile (to run an edited plan anyway, delete its \"digest\" field)")
     return plan
+
+
+def first_problem(err: ValidationError) -> str:
+    """Where a JSON file fails its pydantic model and why, for a one-line error: "a.b.0: msg"."""
+    first = err.errors()[0]
+    return ".".join(str(p) for p in first["loc"]) + f": {first['msg']}"

@@ -178,6 +178,15 @@ class Runner:
         self.states = dict(zip(self.states, rest[2 * n:]))
         return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads)
 
+    def checkpoint_tensors(self) -> dict:
+        """The tensors this rank writes to a checkpoint (runtime/checkpoint.py), by name: on one
+        program, all it holds."""
+        from sbpc.runtime.checkpoint import Held
+
+        return {**{p.name: Held(self.params[p.name], p, "param") for p in self.plan.params if p.name in self.params},
+                **{b.name: Held(self.buffers[b.name], b, "buffer") for b in self.plan.buffers if b.name in self.buffers},
+                **{s.name: Held(self.states[s.name], s, "state") for s in self.plan.states if s.name in self.states}}
+
     def weights(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers (its shards; on one device, the logical tensors)."""
         return {**self.params, **self.buffers}

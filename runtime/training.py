@@ -14,6 +14,7 @@ from typing import IO
 import torch
 
 from sbpc.errors import UsageError
+from sbpc.runtime.checkpoint import Checkpointer, TrainState
 from sbpc.runtime.data import Batches
 from sbpc.runtime.flops import step_flops
 from sbpc.runtime.lr_schedule import LrSchedule
@@ -24,10 +25,13 @@ from sbpc.runtime.train_log import LogOptions, StepLog, TrainLog
 
 @dataclass(frozen=True)
 class TrainOptions:
-    steps: int
+    steps: int  # in all: a resumed run goes on from ``start`` to here
     seed: int
     schedule: LrSchedule
     log: LogOptions = field(default_factory=LogOptions)
+    start: int = 0  # steps already done (a resumed run)
+    saves: Checkpointer | None = None  # checkpoints after the steps it is due and after the last
+    schedule_state: dict | None = None  # what a checkpoint records of the schedule
 
 
 @dataclass
@@ -56,13 +60,13 @@ def train_loop(runner: Runner, batches: Batches, options: TrainOptions, out: IO[
     check_schedule(runner, options.schedule)
     per_step = takes_lr(runner)
     flops = step_flops(plan)
-    log = TrainLog(options.log, options.steps, out)
+    log = TrainLog(options.log, options.steps, out, start=options.start)
     losses, logs = [], []
     since, window_start, nan = 0, time.perf_counter(), 0
     skipped_before = _skipped(runner)
     start = window_start
     try:
-        for step in range(options.steps):
+        for step in range(options.start, options.steps):
             lr = options.schedule(step)
             kw = {"lr": lr} if per_step else {}
             result = runner.step(batches.next(), rng_seed=step_seed(options.seed, step), **kw)
@@ -84,11 +88,16 @@ def train_loop(runner: Runner, batches: Batches, options: TrainOptions, out: IO[
                 log.step(entry)
                 logs.append(entry)
                 since, nan, skipped_before, window_start = 0, 0, skipped, time.perf_counter()
-            if step == 0:
-                _memory(runner, log, "after step 1")
+            if step == options.start:
+                _memory(runner, log, f"after step {step + 1}")
+            if options.saves is not None and (options.saves.due(done) or done == options.steps):
+                state = TrainState(step=done, seed=options.seed, data=batches.state().model_dump(),
+                                   schedule=options.schedule_state)
+                log.say(f"saved checkpoint of step {done} to {options.saves.save(runner, state)}")
         elapsed = time.perf_counter() - start
-        if options.steps:
-            log.say(f"{options.steps} steps in {elapsed:.2f}s ({options.steps / elapsed:.2f} steps/s)")
+        ran = options.steps - options.start
+        if ran > 0:
+            log.say(f"{ran} steps in {elapsed:.2f}s ({ran / elapsed:.2f} steps/s)")
             _memory(runner, log, "peak")
     finally:
         log.close()

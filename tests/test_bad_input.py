@@ -130,6 +130,74 @@ def _config_case(name: str, text: str, culprit, **kw) -> Case:
     return Case(name, argv, culprit, setup)
 
 
+_checkpoint: dict[str, bytes] = {}
+
+
+def checkpointed(edit: Callable[[Path], None] | None = None, *sets: str) -> Callable[[Path], None]:
+    """A setup that writes ``{tmp}/c``, the checkpoint of one step of examples/mlp.py on mesh 1
+    (made once per session), with ``edit`` applied to its ``step_00000001`` directory, and
+    ``{tmp}/plan.json`` (mlp with ``sets``) to resume it into."""
+    def setup(tmp: Path) -> None:
+        import contextlib
+        import io
+        import shutil
+
+        from sbpc.cli import main
+
+        if not _checkpoint:
+            compiled()(tmp)
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert main(["run", str(tmp / "plan.json"), "--steps", "1", "--save", str(tmp / "c")]) == 0
+            _checkpoint.update({str(f.relative_to(tmp / "c")): f.read_bytes() for f in (tmp / "c").rglob("*")
+                                if f.is_file()})
+            shutil.rmtree(tmp / "c")
+        for name, data in _checkpoint.items():
+            (tmp / "c" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / "c" / name).write_bytes(data)
+        compiled(None, *sets)(tmp)
+        if edit:
+            edit(tmp / "c" / "step_00000001")
+    return setup
+
+
+def _index_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(d: Path) -> None:
+        raw = json.loads((d / "index.json").read_text())
+        change(raw)
+        (d / "index.json").write_text(json.dumps(raw))
+    return edit
+
+
+def _shard_edit(change: Callable[[bytearray], None]) -> Callable[[Path], None]:
+    def edit(d: Path) -> None:
+        f = d / "rank00000.safetensors"
+        data = bytearray(f.read_bytes())
+        change(data)
+        f.write_bytes(bytes(data))
+    return edit
+
+
+def _flip_in(key: str) -> Callable[[bytearray], None]:
+    """Flip a byte in the middle of tensor ``key``'s data (safetensors: an 8-byte header
+    length, the JSON header, then the data)."""
+    def change(data: bytearray) -> None:
+        n = int.from_bytes(data[:8], "little")
+        start, end = json.loads(bytes(data[8:8 + n]))[key]["data_offsets"]
+        data[8 + n + (start + end) // 2] ^= 0xFF
+    return change
+
+
+def _truncate(data: bytearray) -> None:
+    del data[100:]
+
+
+def _garble_header(data: bytearray) -> None:
+    data[8:24] = b"\xff" * 16
+
+
+RESUME = ["run", "{tmp}/plan.json", "--steps", "2", "--resume", "{tmp}/c"]
+
+
 CASES = [
     # --- the command line -------------------------------------------------------------------
     Case("no-command", [], "the following arguments are required: command"),
@@ -385,6 +453,49 @@ CASES = [
     Case("train-bad-data-leaves-no-log-dir", ["run", "{tmp}/plan.json", "--data", "{tmp}/none.bin", "--log-dir", "{tmp}/logs"],
          "data file '{tmp}/none.bin' does not exist", compiled_lm()),
     # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here
+    Case("ckpt-resume-missing", ["run", "{tmp}/plan.json", "--resume", "{tmp}/nope"],
+         "checkpoint '{tmp}/nope' does not exist", compiled()),
+    Case("ckpt-resume-a-file", ["run", "{tmp}/plan.json", "--resume", "{tmp}/plan.json"],
+         "checkpoint '{tmp}/plan.json' is a file, not a directory", compiled()),
+    Case("ckpt-only-interrupted-save", RESUME, ("{tmp}/c holds only an interrupted save", "no index.json"),
+         checkpointed(lambda d: d.rename(d.parent / ".tmp-step_00000001"))),
+    Case("ckpt-index-missing", [*RESUME[:-1], "{tmp}/c/step_00000001"], "holds no checkpoint: no index.json",
+         checkpointed(lambda d: (d / "index.json").unlink())),
+    Case("ckpt-index-not-json", RESUME, "index.json is not valid JSON",
+         checkpointed(lambda d: (d / "index.json").write_text("{"))),
+    Case("ckpt-index-other-schema", RESUME, "has schema_version 99, this sbpc reads version 1",
+         checkpointed(_index_edit(lambda raw: raw.update(schema_version=99)))),
+    Case("ckpt-index-malformed", RESUME, "index.json is malformed at tensors",
+         checkpointed(_index_edit(lambda raw: raw.update(tensors=5)))),
+    Case("ckpt-shard-missing", RESUME, "lacks shard file rank00000.safetensors (rank 0's)",
+         checkpointed(lambda d: (d / "rank00000.safetensors").unlink())),
+    Case("ckpt-shard-truncated", RESUME, "rank00000.safetensors has 100 bytes, the index says",
+         checkpointed(_shard_edit(_truncate))),
+    Case("ckpt-shard-corrupt-header", RESUME, "cannot read checkpoint shard {tmp}/c/step_00000001/rank00000.safetensors",
+         checkpointed(_shard_edit(_garble_header))),
+    Case("ckpt-shard-corrupt-data", RESUME, "rank00000.safetensors: layers.0.weight does not match its checksum",
+         checkpointed(_shard_edit(_flip_in("layers.0.weight")))),
+    Case("ckpt-rng-corrupt", RESUME, "rank00000.safetensors: rng.torch does not match its checksum",
+         checkpointed(_shard_edit(_flip_in("rng.torch")))),
+    Case("ckpt-other-model-size", RESUME, "layers.0.weight has shape [64, 32], the plan expects [16, 32]",
+         checkpointed(None, "--set", "hidden=16")),
+    Case("ckpt-other-names", RESUME, "has no param 'layers.0.weight', which the plan (examples/mlp.py) needs",
+         checkpointed(_index_edit(lambda raw: raw["tensors"].update(encoder=raw["tensors"].pop("layers.0.weight"))))),
+    Case("ckpt-save-is-a-file", ["run", "{tmp}/plan.json", "--save", "{tmp}/plan.json"],
+         "cannot write the checkpoints (--save) into '{tmp}/plan.json': it is a file", compiled()),
+    Case("ckpt-save-every-zero", ["run", "{tmp}/plan.json", "--save", "{tmp}/c", "--save-every", "0"],
+         "--save-every 0 must be 1 or more", compiled()),
+    Case("ckpt-keep-negative", ["run", "{tmp}/plan.json", "--save", "{tmp}/c", "--keep", "-1"],
+         "--keep -1 is negative", compiled()),
+    Case("ckpt-save-every-without-dir", ["run", "{tmp}/plan.json", "--save-every", "2"],
+         "--save-every and --keep need --save DIR", compiled()),
+    Case("ckpt-resume-and-weights", [*RESUME, "--weights", "{tmp}/plan.json"], "--resume and --weights both",
+         checkpointed()),
+    Case("export-missing", ["export", "{tmp}/nope", "-o", "{tmp}/m.safetensors"], "checkpoint '{tmp}/nope' does not exist"),
+    Case("export-not-safetensors", ["export", "{tmp}/c", "-o", "{tmp}/m.pt"], "'{tmp}/m.pt' is not a .safetensors file",
+         checkpointed()),
+    Case("export-strip-matches-nothing", ["export", "{tmp}/c", "-o", "{tmp}/m.safetensors", "--strip", "model."],
+         "no tensor of checkpoint {tmp}/c/step_00000001 starts with 'model.'", checkpointed()),
 ]
 
 SUBPROCESS = ["model-syntax-error", "plan-wrong-world-size", "unknown-flag"]
