@@ -166,8 +166,22 @@ def test_fp16_loss_scale_and_skipped_steps_are_carried(tmp_path):
     assert run(two, 4, world=2, resume=str(tmp_path / "c")) == full[2:]
     proc = cli("run", one, "--steps", "4", "--resume", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr
-    assert rel([float(x) for x in re.findall(r"^step \d+: loss (\S+)$", proc.stdout, re.M)], full[2:]) < 1e-5
+    assert rel([float(x) for x in re.findall(r"lm loss: (\S+) \|", proc.stdout, re.M)], full[2:]) < 1e-5
     assert "1 of 4 steps skipped" in proc.stdout and "loss scale 32768" in proc.stdout
+
+
+def test_the_data_position_is_resumed(plans, tmp_path):
+    """On a token file the loader's position (epoch, sample) is saved and restored: the resumed
+    run reads the batches the uninterrupted one read, and goes on across the epoch boundary."""
+    import numpy as np
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 64, 16 * 8 * 3 + 1).astype(np.uint16))  # 3 steps an epoch
+    full = run(plans["4x1x1"], 5, world=4, data=str(data))
+    run(plans["4x1x1"], 2, world=4, data=str(data), save=str(tmp_path / "c"))
+    index = json.loads((tmp_path / "c" / "step_00000002" / INDEX).read_text())
+    assert index["train"]["data"] == {"epoch": 0, "index": 16}
+    assert run(plans["4x1x1"], 5, world=4, data=str(data), resume=str(tmp_path / "c")) == full[2:]
 
 
 def test_keep_rotates_and_latest_names_the_newest(plans, tmp_path):
@@ -219,7 +233,7 @@ def test_a_killed_rank_ends_the_run_and_a_resume_reproduces_it_bit_for_bit(tmp_p
     assert (tmp_path / "c" / LATEST).read_text().strip() == "step_00000004"
     proc = cli("run", plan, "--steps", "6", "--resume", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr
-    assert [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", proc.stdout, re.M)] == pytest.approx(full[4:], rel=1e-5)
+    assert [float(x) for x in re.findall(r"lm loss: (\S+) \|", proc.stdout, re.M)] == pytest.approx(full[4:], rel=1e-5)
     assert run(plan, 6, world=2, resume=str(tmp_path / "c")) == full[4:]
 
 
