@@ -128,3 +128,16 @@ def test_the_browser_check_sees_errors_and_requests(chromium, tmp_path):
     assert "error: seen" in problems
     assert any("missing is not defined" in p for p in problems)
     assert "network request: https://example.invalid/a.png" in problems
+
+
+def test_rank_grids_follow_the_rank_order():
+    from sbpc.compiler.tools.report import rank_grids
+    from sbpc.runtime.plan import MeshAxis
+
+    result, _, _ = compile_example("mlp.py")
+    plan = result.plan.model_copy(update={"mesh": [MeshAxis(name="pp", size=10), MeshAxis(name="dp", size=3),
+                                                   MeshAxis(name="tp", size=2)]})
+    grids = rank_grids(plan)
+    assert [(g.stage, g.first, g.last) for g in grids[:2]] == [(0, 0, 5), (1, 6, 11)] and grids[-1].last == 59
+    assert grids[1].cols == ["tp=0", "tp=1"] and grids[1].rows == [[6, 7], [8, 9], [10, 11]]
+    assert all(plan.coords(r) == {"pp": 1, "dp": i, "tp": j} for i, row in enumerate(grids[1].rows) for j, r in enumerate(row))

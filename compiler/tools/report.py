@@ -91,7 +91,7 @@ def render_report(plan: Plan, cluster: Cluster | None = None) -> str:
         plan=plan, op_counts=op_counts, cost=cost, grids=rank_grids(plan), timeline=timeline, span=span,
         memory=_memory_bars(plan), terms=TERM_COLOURS, phases=PHASE_COLOURS, comm=comm, boxings=boxings,
         width=WIDTH, row=ROW, stage_grids=STAGE_GRIDS,
-        mib=lambda b: f"{b / 2**20:,.2f} MiB", size=size_text, ms=lambda s: f"{s * 1e3:,.3f} ms",
+        mib=lambda b: f"{b / 2**20:,.2f} MiB", size=size_text, ms=_time_text,
         flop=_flop_text, layers=_layers_text, sim=simulate(plan, cluster) if cluster is not None else None)
 
 
@@ -199,6 +199,10 @@ def _communication(plan: Plan, cost: PlanCost) -> tuple[list[CommRow], list[Boxi
             for t in per_step(plan)]
     boxings.sort(key=lambda b: -b.seconds)
     return rows, boxings[:TOP_BOXINGS]
+
+
+def _time_text(s: float) -> str:
+    return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.3f} ms"
 
 
 def _flop_text(n: float) -> str:
