@@ -323,12 +323,17 @@ def cmd_simulate(args) -> int:
         check_output_path(args.trace, "simulated trace (--trace)")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers {args.layers} must be at least 1", hint="the layer count to extrapolate to, e.g. --layers 96")
+    if args.attention_dropout is not None and not 0 <= args.attention_dropout < 1:
+        raise UsageError(f"--attention-dropout {args.attention_dropout} must be in [0, 1)",
+                         hint="a dropout probability, e.g. --attention-dropout 0.1")
     cluster = load_cluster(args.cluster)
     plan = load_plan(args.plan)
     if args.trace:
-        result = write_sim_trace(plan, cluster, args.trace, attention=args.attention, layers=args.layers)
+        result = write_sim_trace(plan, cluster, args.trace, attention=args.attention, layers=args.layers,
+                                 attention_dropout=args.attention_dropout)
     else:
-        result = simulate(plan, cluster, attention=args.attention, layers=args.layers)
+        result = simulate(plan, cluster, attention=args.attention, layers=args.layers,
+                          attention_dropout=args.attention_dropout)
     print(result.model_dump_json(indent=1) if args.json else result_text(result))
     if args.trace and not args.json:
         print(f"wrote the simulated timeline to {args.trace}")
@@ -462,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="the attention kernel: flash (fused, default) or materialized (s x s scores in memory, "
                          "as Megatron-LM before flash attention)")
+    sm.add_argument("--attention-dropout", type=float, metavar="P",
+                    help="price the attention ops as having dropout P on their probabilities (materialized: a "
+                         "dropout kernel over the scores; default: the plan's own)")
     sm.add_argument("--layers", type=int, metavar="N",
                     help="the plan's repeated layer (h.0, h.1, ...) stands for N identical layers (docs/cost_model.md)")
     sm.set_defaults(fn=cmd_simulate)

@@ -87,6 +87,7 @@ class Task:
 class TaskGraph:
     def __init__(self, items: Iterable[Item], step_outputs: Iterable[str], microbatches: int):
         self.m = microbatches
+        self._source_cache: dict[tuple[int, str, int], list] = {}
         self.bodies: dict[tuple[int, str, int], Body] = {}
         self.producer: dict[str, tuple[int, str, int]] = {}
         items = list(items)
@@ -129,22 +130,30 @@ class TaskGraph:
 
     # ----- dependencies of one firing
     def deps(self, task: Task) -> list[Task]:
-        body = self.bodies.get(task.key)
-        if body is None:
-            return []
         out: list[Task] = []
-        for it in body.recvs:
-            out.append(self._firing(self.producer[it.uses[0]], task))
-        for it in body.reads:
-            src = self.producer.get(it.uses[0])
-            if src is not None:
+        for src, every in self._sources(task.key):
+            if every:  # an accumulated value: every micro-batch's firing of its producer
                 out += [Task(src[0], src[1], j, src[2]) for j in range(self.m)] if src[1] in PER_MICROBATCH \
                     else [Task(src[0], src[1], None, src[2])]
-        for v in body.inputs:
-            src = self.producer.get(v)
-            if src is not None and src != task.key:
+            else:
                 out.append(self._firing(src, task))
         return list(dict.fromkeys(out))
+
+    def _sources(self, key: tuple[int, str, int]) -> list[tuple[tuple[int, str, int], bool]]:
+        """The distinct producer tasks a firing of ``key`` reads from, in first-read order (recvs,
+        accumulated reads, inputs), each with whether it reads all of the producer's firings.
+        The same for every micro-batch, so computed once per task key (a body reads hundreds of
+        values from a few producers)."""
+        if key not in self._source_cache:
+            body = self.bodies.get(key)
+            found: list[tuple[tuple[int, str, int], bool]] = []
+            if body is not None:
+                found += [(self.producer[it.uses[0]], False) for it in body.recvs]
+                found += [(self.producer[it.uses[0]], True) for it in body.reads if it.uses[0] in self.producer]
+                found += [(self.producer[v], False) for v in body.inputs
+                          if v in self.producer and self.producer[v] != key]
+            self._source_cache[key] = list(dict.fromkeys(found))
+        return self._source_cache[key]
 
     def _firing(self, src: tuple[int, str, int], reader: Task) -> Task:
         if src[1] in PER_MICROBATCH:

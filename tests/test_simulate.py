@@ -68,6 +68,9 @@ def test_op_work_counts_gemm_flops_and_attention():
     assert op_work("sbpc.attention", [q, q, q], [q], causal=True)[0].flops == full / 2
     mat = op_work("sbpc.attention", [q, q, q], [q], attention=AttentionKernel.MATERIALIZED)
     assert sum(x.flops for x in mat) == full and any(x.klass == OpClass.MEMORY for x in mat)
+    dropped = op_work("sbpc.attention", [q, q, q], [q], dropout=0.1, attention=AttentionKernel.MATERIALIZED)
+    scores = 2 * 4 * 256 * 256 * 2  # bytes of the s x s probabilities
+    assert sum(x.nbytes for x in dropped) - sum(x.nbytes for x in mat) == pytest.approx(2.5 * scores)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +110,34 @@ def test_layers_extrapolate_the_repeated_layer(pp_plan):
     assert deep.model_flops > 3 * base.model_flops and deep.step_time_s > base.step_time_s
     with pytest.raises(UsageError, match="multiple of pp"):
         simulate(plan, c, layers=3)
+
+
+def _calibration():
+    """bench/calibration.py, the table's rows and predictions (bench/ is not a package)."""
+    import importlib.util
+    import sys
+
+    if "calibration" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("calibration", ROOT / "bench" / "calibration.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["calibration"] = mod  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(mod)
+    return sys.modules["calibration"]
+
+
+_ROWS = _calibration().ROWS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", [
+    pytest.param(_ROWS[0], marks=pytest.mark.xfail(strict=True, reason=(
+        "predicted 12% above the published 137 TFLOP/s: the plan's full recompute skips the MLP's "
+        "output projection, which Megatron reruns, and its elementwise ops are unfused (docs/cost_model.md)"))),
+    *_ROWS[1:]], ids=[r.params for r in _ROWS])
+def test_calibration_narayanan_2021(row, tmp_path_factory):
+    """Within 10% of Narayanan et al. 2021's measured TFLOP/s per GPU (bench/calibration.py)."""
+    cal = _calibration()
+    tflops, result = cal.predict(row, tmp_path_factory.getbasetemp() / "calibration")
+    print(f"{row.params}: predicted {tflops:.1f} TFLOP/s per GPU, published {row.published} "
+          f"(ratio {tflops / row.published:.3f}, step {result.step_time_s:.2f} s, bubble {result.bubble:.1%})")
+    assert abs(tflops / row.published - 1) <= 0.10

@@ -18,6 +18,7 @@ plans over it (compiler/tools/simulate.py, docs/cost_model.md).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,7 @@ class ClusterCost:
     mesh: tuple[tuple[str, int], ...]
     memory_price: float = 0.0
 
-    @property
+    @functools.cached_property
     def groups(self) -> dict[str, "AxisGroups"]:
         from sbpc.compiler.tools.cluster import axis_groups
 

@@ -6,7 +6,8 @@ local shapes (never a table per model), and the op class whose efficiency prices
 - attention (``sbpc.attention`` and its backward) is priced as the kernel that runs it:
   ``flash`` (one fused kernel, causal blocks skipped, the s x s scores never stored) or
   ``materialized`` (two batched GEMMs with the s x s scores written to memory and read back
-  by a softmax between them, as Megatron-LM did before flash attention);
+  by a softmax, and a dropout when it has one, between them, as Megatron-LM did before flash
+  attention);
 - views are free; every other op is memory-bound: the bytes of its tensor inputs and outputs.
 """
 from __future__ import annotations
@@ -64,16 +65,21 @@ GEMMS = frozenset(f"aten.{n}" for n in ("mm.default", "addmm.default", "bmm.defa
 ATTENTION = frozenset({"sbpc.attention", "sbpc.attention_backward"})
 
 
+def is_free(op: str) -> bool:
+    """No kernel: a view, a name, or a collective (priced by the link model)."""
+    return op in VIEWS or op.startswith("sbpc.") and op not in ATTENTION and op != "sbpc.shard_slice"
+
+
 def op_work(op: str, ins: Sequence[Operand], outs: Sequence[Operand], *, causal: bool = False,
-            attention: AttentionKernel = AttentionKernel.FLASH) -> list[Kernel]:
+            dropout: float = 0.0, attention: AttentionKernel = AttentionKernel.FLASH) -> list[Kernel]:
     """The kernels ``op`` runs with local inputs ``ins`` (tensor arguments, in order) and outputs ``outs``."""
-    if op in VIEWS or op.startswith("sbpc.") and op not in ATTENTION and op != "sbpc.shard_slice":
-        return []  # collectives are priced by the link model, the rest are names
+    if is_free(op):
+        return []
     traffic = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
     if op in GEMMS:
         return [Kernel(_gemm_flops(op, ins, outs), traffic, OpClass.GEMM)]
     if op in ATTENTION:
-        return _attention(op == "sbpc.attention_backward", ins, outs, causal, attention)
+        return _attention(op == "sbpc.attention_backward", ins, outs, causal, dropout > 0, attention)
     if op == "aten.embedding.default":  # reads the rows it gathers, not the whole table
         return [Kernel(0.0, ins[1].nbytes + 2 * sum(t.nbytes for t in outs), OpClass.MEMORY)]
     return [Kernel(float(sum(t.numel for t in outs)), traffic, OpClass.MEMORY)]
@@ -91,7 +97,7 @@ def _gemm_flops(op: str, ins: Sequence[Operand], outs: Sequence[Operand]) -> flo
     return 2.0 * outs[0].numel * k
 
 
-def _attention(backward: bool, ins: Sequence[Operand], outs: Sequence[Operand], causal: bool,
+def _attention(backward: bool, ins: Sequence[Operand], outs: Sequence[Operand], causal: bool, dropout: bool,
                kernel: AttentionKernel) -> list[Kernel]:
     # forward ins: q, k, v; backward ins: grad_out, q, k, v, out, logsumexp
     q, k = (ins[1], ins[2]) if backward else (ins[0], ins[1])
@@ -108,9 +114,12 @@ def _attention(backward: bool, ins: Sequence[Operand], outs: Sequence[Operand], 
     # them, bmm reads the probabilities; no causal blocks are skipped. The backward: dP = dO V^T
     # (written), dV = P^T dO (P read), softmax backward (P and dP read, dS written), dQ = dS K
     # and dK = dS^T Q (dS read twice).
+    # With dropout on the probabilities, a dropout kernel reads them and writes them and a
+    # 1-byte mask; its backward reads the gradient and the mask and writes the gradient.
     scores = bh * s * t * q.itemsize
+    drop = [Kernel(0.0, (2 + 1 / q.itemsize) * scores, OpClass.MEMORY)] if dropout else []
     if backward:
-        return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(product, scores, OpClass.GEMM),
+        return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(product, scores, OpClass.GEMM), *drop,
                 Kernel(0.0, 3 * scores, OpClass.MEMORY), Kernel(2 * product, 2 * scores + io / 2, OpClass.GEMM)]
-    return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(0.0, 2 * scores, OpClass.MEMORY),
+    return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(0.0, 2 * scores, OpClass.MEMORY), *drop,
             Kernel(product, scores + io / 2, OpClass.GEMM)]

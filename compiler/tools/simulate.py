@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sbpc.compiler.pipelining.schedule_sim import Simulation, timed
 from sbpc.compiler.sbp.cost_model import ClusterCost
-from sbpc.compiler.sbp.op_work import AttentionKernel, Operand, op_work
+from sbpc.compiler.sbp.op_work import AttentionKernel, Operand, is_free, op_work
 from sbpc.compiler.tools.cluster import Cluster
 from sbpc.compiler.tools.memory_report import size_text
 from sbpc.errors import UsageError
@@ -115,8 +115,9 @@ class _TaskCost:
 class _Pricer:
     """Seconds and FLOPs of each instruction of a plan on a cluster."""
 
-    def __init__(self, plan: Plan, cost: ClusterCost, attention: AttentionKernel, layers: int | None):
-        self.plan, self.cost, self.attention = plan, cost, attention
+    def __init__(self, plan: Plan, cost: ClusterCost, attention: AttentionKernel, layers: int | None,
+                 attention_dropout: float | None = None):
+        self.plan, self.cost, self.attention, self.attention_dropout = plan, cost, attention, attention_dropout
         self.sizes = tuple(a.size for a in plan.mesh if a.name != "pp")
         self.types: dict[str, tuple[tuple[int, ...], str, list[str]]] = {}
         self.module: dict[str, str] = {}
@@ -130,14 +131,21 @@ class _Pricer:
                     if ins.loc is not None:
                         self.module[o] = ins.loc.module
         self.factor, self.layer_list = _layer_factor(plan, layers)
+        self._operands: dict[str, Operand | None] = {}
+        self._local: dict[tuple, tuple[int, ...]] = {}
 
     def operand(self, value: str) -> Operand | None:
-        t = self.types.get(value)
-        if t is None or t[1] in ("none", "work"):
-            return None
-        shape, dtype, sbp = t
-        local = local_shape(shape, parse_nd_sbp(sbp), self.sizes) if sbp else shape
-        return Operand(tuple(local), _ITEMSIZE.get(dtype, 4))
+        if value not in self._operands:
+            t = self.types.get(value)
+            if t is None or t[1] in ("none", "work"):
+                self._operands[value] = None
+            else:
+                shape, dtype, sbp = t
+                key = (shape, tuple(sbp))  # many values share a layout: parse and divide once
+                if key not in self._local:
+                    self._local[key] = tuple(local_shape(shape, parse_nd_sbp(sbp), self.sizes)) if sbp else shape
+                self._operands[value] = Operand(self._local[key], _ITEMSIZE.get(dtype, 4))
+        return self._operands[value]
 
     def nbytes(self, value: str) -> int:
         op = self.operand(value)
@@ -162,12 +170,18 @@ class _Pricer:
 
     def kernel(self, ins: Instruction) -> tuple[float, float]:
         """(seconds, FLOPs) of a compute instruction."""
+        if is_free(ins.op):
+            return 0.0, 0.0
         ins_ops = [o for o in (self.operand(v) for v in instruction_uses(ins)) if o is not None]
         outs = [o for o in (self.operand(v) for v in ins.outs) if o is not None]
-        causal = bool(ins.args[4]) if ins.op == "sbpc.attention" and len(ins.args) > 4 else \
-            bool(ins.args[7]) if ins.op == "sbpc.attention_backward" and len(ins.args) > 7 else False
+        # sbpc.attention(q, k, v, dropout_p, is_causal); its backward (grad, q, k, v, out, lse, dropout_p, is_causal)
+        at = {"sbpc.attention": 3, "sbpc.attention_backward": 6}.get(ins.op)
+        dropout, causal = (float(ins.args[at] or 0.0), bool(ins.args[at + 1])) if at is not None and len(ins.args) > at + 1 \
+            else (0.0, False)
+        if at is not None and self.attention_dropout is not None:
+            dropout = self.attention_dropout
         dtype = next((self.types[v][1] for v in ins.outs if v in self.types), "f32")
-        kernels = op_work(ins.op, ins_ops, outs, causal=causal, attention=self.attention)
+        kernels = op_work(ins.op, ins_ops, outs, causal=causal, dropout=dropout, attention=self.attention)
         return sum(self.cost.kernel(k, dtype) for k in kernels), sum(k.flops for k in kernels)
 
     def collective(self, ins: Instruction, kind: Collective) -> float:
@@ -251,15 +265,17 @@ def _layer_factor(plan: Plan, layers: int | None) -> tuple[float, str | None]:
 
 
 def simulate(plan: Plan, cluster: Cluster, *, attention: AttentionKernel | str = AttentionKernel.FLASH,
-             layers: int | None = None) -> SimResult:
-    """The predicted step of ``plan`` on ``cluster`` (see the module docstring)."""
-    result, _ = _simulate(plan, cluster, AttentionKernel(attention), layers)
+             layers: int | None = None, attention_dropout: float | None = None) -> SimResult:
+    """The predicted step of ``plan`` on ``cluster`` (see the module docstring). ``attention_dropout``:
+    the plan's attention ops stand for ones with this dropout on their probabilities (None: as compiled)."""
+    result, _ = _simulate(plan, cluster, AttentionKernel(attention), layers, attention_dropout)
     return result
 
 
-def _simulate(plan: Plan, cluster: Cluster, attention: AttentionKernel, layers: int | None):
+def _simulate(plan: Plan, cluster: Cluster, attention: AttentionKernel, layers: int | None,
+              attention_dropout: float | None = None):
     mesh = tuple((a.name, a.size) for a in plan.mesh)
-    pricer = _Pricer(plan, ClusterCost(cluster, mesh), attention, layers)
+    pricer = _Pricer(plan, ClusterCost(cluster, mesh), attention, layers, attention_dropout)
     program = {prog.stage: prog.instructions for prog in plan.stages}
     if plan.pipeline is None:
         one = pricer.run(program[0])
@@ -268,7 +284,7 @@ def _simulate(plan: Plan, cluster: Cluster, attention: AttentionKernel, layers: 
         from sbpc.compiler.pipelining.schedule_sim import Slice
 
         sim.timeline.append(Slice(task, 0, 0.0, one.seconds))
-        costs, p = {task.key: one}, 1
+        costs, p, graph = {task.key: one}, 1, None
     else:
         spec = plan.pipeline
         p = spec.stages
@@ -314,7 +330,7 @@ def _simulate(plan: Plan, cluster: Cluster, attention: AttentionKernel, layers: 
         tokens_per_s=_tokens(plan) / step if step > 0 else 0.0, tflops_per_device=per_dev / 1e12,
         hardware_tflops_per_device=(hardware / n / step if step > 0 else 0.0) / 1e12, mfu=per_dev / peak,
         model_flops=model, hardware_flops=hardware, bubble=sim.bubble() if plan.pipeline is not None else 0.0,
-        comm=comm, roles=roles, critical_path=_critical_path(plan, sim), layers=layers)
+        comm=comm, roles=roles, critical_path=_critical_path(graph, sim), layers=layers)
     return result, (sim, costs)
 
 
@@ -326,12 +342,12 @@ def _tokens(plan: Plan) -> int:
     return plan.batch[0].shape[0] if plan.batch and plan.batch[0].shape else 1
 
 
-def _critical_path(plan: Plan, sim: Simulation) -> list[PathSegment]:
+def _critical_path(graph, sim: Simulation) -> list[PathSegment]:
     """Back from the last task to finish: at each task, what made it start when it did (a
     task it reads from, or the one before it on its stage)."""
     if not sim.timeline:
         return []
-    if plan.pipeline is None:  # one program, one task
+    if graph is None:  # one program, one task
         return [PathSegment(stage=0, first="step", last="step", tasks=1, seconds=sim.makespan)]
     by_task = {s.task: s for s in sim.timeline}
     prev_on_device: dict[Task, object] = {}
@@ -339,7 +355,6 @@ def _critical_path(plan: Plan, sim: Simulation) -> list[PathSegment]:
         slices = sorted((s for s in sim.timeline if s.device == d), key=lambda s: s.start)
         for a, b in zip(slices, slices[1:]):
             prev_on_device[b.task] = a
-    graph = plan_task_graph(plan)
     deps = {t: graph.deps(t) for t in by_task}
     cur = max(sim.timeline, key=lambda s: s.end)
     path = [cur]
@@ -365,10 +380,10 @@ def _critical_path(plan: Plan, sim: Simulation) -> list[PathSegment]:
 
 
 def write_sim_trace(plan: Plan, cluster: Cluster, path: str, *, attention: AttentionKernel | str = AttentionKernel.FLASH,
-                    layers: int | None = None) -> SimResult:
+                    layers: int | None = None, attention_dropout: float | None = None) -> SimResult:
     """``simulate`` and its timeline in the format of `sbpc run --trace`: one track per stage
     role, a compute row and a ``comm <axis>`` row per axis with each collective where it flies."""
-    result, (sim, costs) = _simulate(plan, cluster, AttentionKernel(attention), layers)
+    result, (sim, costs) = _simulate(plan, cluster, AttentionKernel(attention), layers, attention_dropout)
     one_task = plan.pipeline is None
     spans = []
     for s in sim.timeline:

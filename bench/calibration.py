@@ -1,0 +1,130 @@
+"""`sbpc simulate` against published training throughput (Narayanan et al. 2021, SC'21, Table 1).
+
+Their setup: A100-80GB (DGX A100 nodes, 8 GPUs, 8 HDR NICs each), GPT with V=51200, s=2048,
+fp16, full activation recompute, Megatron-LM of 2021 (no flash attention: the s x s scores go
+through memory; dropout 0.1 on the attention probabilities). TFLOP/s per GPU
+counted as 96 B s l h^2 (1 + s/6h + V/16lh) per iteration over the step and the GPUs.
+
+Each row is compiled by sbpc for its real mesh (dp x tp x pp ranks, its batch and micro-batch
+count) with the layers cut to the fewest that keep the plan's structure (2 without pp, one a
+stage with pp), and simulated on the dgx-a100-80g preset with `--attention materialized`,
+`--attention-dropout 0.1` and `--layers` set to the real count: every instruction of a layer counts layers/compiled times
+(docs/cost_model.md). Nothing here is fitted: the cluster file's constants are datasheet
+peaks and general kernel efficiencies.
+
+    .venv/bin/python bench/calibration.py [--cache DIR]
+
+prints one row per configuration and ends with ``ratio=<the prediction/published farthest from 1>``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB, SEQ = 51200, 2048
+# Megatron-LM's default dropout on the attention probabilities. The model is compiled without
+# dropout (torch's CPU attention with dropout decomposes into an fp32 math path unlike the
+# fused kernel on a GPU), and its attention ops are priced as carrying it.
+ATTENTION_DROPOUT = 0.1
+
+
+@dataclass(frozen=True)
+class Row:
+    params: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    dp: int
+    batch: int
+    microbatch: int
+    published: float  # TFLOP/s per GPU
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.batch // (self.dp * self.microbatch)
+
+    @property
+    def compiled_layers(self) -> int:
+        return self.pp if self.pp > 1 else 2
+
+    def flops(self) -> float:
+        """Narayanan et al.'s FLOPs of one iteration with full recompute."""
+        b, s, l, h, v = self.batch, SEQ, self.layers, self.hidden, VOCAB
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+    def compile_args(self, out: str) -> list[str]:
+        return ["compile", "examples/gpt.py", "--set", f"layers={self.compiled_layers}", "--set", f"hidden={self.hidden}",
+                "--set", f"heads={self.heads}", "--set", f"vocab={VOCAB}", "--set", f"seq={SEQ}",
+                "--mesh", f"{self.dp}x{self.tp}x{self.pp}", "--batch-size", str(self.batch),
+                "--microbatches", str(self.microbatches), "--config", "examples/gpt.megatron.toml",
+                "--precision", "fp16", "--recompute", "full", "-o", out]
+
+
+ROWS = (
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 137.0),
+    Row("18.4B", 48, 6144, 40, 8, 1, 32, 1024, 8, 135.0),
+    Row("145.6B", 96, 12288, 80, 8, 8, 24, 2304, 2, 148.0),
+)
+
+
+def plan_for(row: Row, cache: Path):
+    """The row's compiled plan, from ``cache`` when an identical compile wrote it before."""
+    from sbpc.cli import main
+    from sbpc.runtime.plan import load_plan
+
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / (f"{row.params}-{row.dp}x{row.tp}x{row.pp}-l{row.compiled_layers}-m{row.microbatches}.json")
+    args = row.compile_args(str(path))
+    stamp = path.with_suffix(".args")
+    if not (path.exists() and stamp.exists() and stamp.read_text() == " ".join(args)):
+        cwd = os.getcwd()
+        os.chdir(ROOT)  # the plan records the model path relative to the repository
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                if main(args) != 0:
+                    raise SystemExit(f"compile of {row.params} failed")
+        finally:
+            os.chdir(cwd)
+        stamp.write_text(" ".join(args))
+    return load_plan(str(path))
+
+
+def predict(row: Row, cache: Path) -> tuple[float, object]:
+    """(predicted TFLOP/s per GPU, the SimResult)."""
+    from sbpc.compiler.tools.cluster import load_cluster
+    from sbpc.compiler.tools.simulate import simulate
+
+    result = simulate(plan_for(row, cache), load_cluster("dgx-a100-80g"), attention="materialized", layers=row.layers,
+                      attention_dropout=ATTENTION_DROPOUT)
+    return row.flops() / result.step_time_s / row.gpus / 1e12, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", default=str(ROOT / "out" / "calibration"), help="where compiled plans are kept")
+    args = ap.parse_args()
+    head = f"{'params':>7} {'mesh dxtxp':>11} {'GPUs':>5} {'batch':>5} {'mb':>3} {'step s':>8} {'bubble':>6} " \
+           f"{'TFLOP/s':>8} {'published':>9} {'ratio':>6}"
+    print(head)
+    ratios = []
+    for row in ROWS:
+        tflops, r = predict(row, Path(args.cache))
+        ratios.append(tflops / row.published)
+        print(f"{row.params:>7} {f'{row.dp}x{row.tp}x{row.pp}':>11} {row.gpus:>5} {row.batch:>5} {row.microbatch:>3} "
+              f"{r.step_time_s:>8.2f} {r.bubble:>6.1%} {tflops:>8.1f} {row.published:>9.1f} {ratios[-1]:>6.3f}")
+    print(f"ratio={max(ratios, key=lambda x: abs(x - 1)):.3f}")
+
+
+if __name__ == "__main__":
+    main()
