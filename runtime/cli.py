@@ -141,8 +141,9 @@ def _prepare_training(args: argparse.Namespace, plan, out) -> None:
 
 
 def check_training_flags(args: argparse.Namespace) -> None:
-    """What needs no plan: the log flags and that --data names something (`sbpc train` checks
-    this before its compile, the rest after it)."""
+    """What needs no plan: the log flags, that --data names something, the checkpoint flags and
+    that --resume names a complete, intact checkpoint (`sbpc train` checks this before its
+    compile, the rest after it)."""
     from sbpc.runtime.corpus import STDLIB
     from sbpc.runtime.data import missing_data
     from sbpc.runtime.train_log import check_log_options
@@ -151,6 +152,13 @@ def check_training_flags(args: argparse.Namespace) -> None:
     data = getattr(args, "data", None)
     if data and data != STDLIB and not os.path.exists(data):
         raise missing_data(data)
+    check_checkpoint_arguments(args)
+    if getattr(args, "resume", None):  # missing, incomplete or corrupt: before the compile too
+        from sbpc.runtime.checkpoint import open_checkpoint
+
+        open_checkpoint(args.resume)
+
+
 def saves_weights_file(path: str | None) -> bool:
     """--save names a weights file (the final logical weights), not a checkpoint directory."""
     return bool(path) and path.endswith((".pt", ".safetensors"))

@@ -455,7 +455,9 @@ CASES = [
     # --- checkpoints (--save DIR / --resume / sbpc export): the ckpt helper adds its rows here
     Case("ckpt-resume-missing", ["run", "{tmp}/plan.json", "--resume", "{tmp}/nope"],
          "checkpoint '{tmp}/nope' does not exist", compiled()),
-    Case("ckpt-resume-a-file", ["run", "{tmp}/plan.json", "--resume", "{tmp}/plan.json"],
+    Case("ckpt-train-resume-missing", ["train", "examples/mlp.py", "--resume", "{tmp}/nope"],
+         "checkpoint '{tmp}/nope' does not exist"),  # before the compile
+        Case("ckpt-resume-a-file", ["run", "{tmp}/plan.json", "--resume", "{tmp}/plan.json"],
          "checkpoint '{tmp}/plan.json' is a file, not a directory", compiled()),
     Case("ckpt-only-interrupted-save", RESUME, ("{tmp}/c holds only an interrupted save", "no index.json"),
          checkpointed(lambda d: d.rename(d.parent / ".tmp-step_00000001"))),
