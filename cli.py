@@ -1,4 +1,4 @@
-"""The `sbpc` command: compile, memory, inspect, diff, report, run, train, corpus, launch, check, explain, simulate,
+"""The `sbpc` command: compile, memory, inspect, diff, report, run, train, corpus, launch, check, explain, simulate, export,
 opt, schema."""
 from __future__ import annotations
 
