@@ -25,6 +25,9 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
+    p.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
+                   help="clip the gradients by their global norm over all shards and stages to MAX_NORM "
+                        "(torch.nn.utils.clip_grad_norm_); the step reports the norm (default: no clipping)")
     p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
@@ -68,7 +71,10 @@ def _compile(args: argparse.Namespace, enforce_budget: bool = True):
     _check_outputs(args)
     mesh = parse_mesh(args.mesh)
     source = load_model(args.model, parse_sets(args.sets))
-    optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum)
+    if args.clip_grad is not None and not args.clip_grad > 0:
+        raise UsageError(f"--clip-grad {args.clip_grad} must be a norm > 0", hint="e.g. --clip-grad 1.0, Megatron's default")
+    optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum,
+                                clip_grad=args.clip_grad)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
                          dump_dir=args.dump_dir, allow_replicated=args.allow_replicated)
     config = load_config(args.config) if args.config else None
@@ -222,6 +228,20 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def _lr_list(text: str) -> tuple[float, ...]:
+    """``--lr-schedule 1e-3,5e-4``: finite learning rates >= 0 (argparse turns the error into exit 2)."""
+    import math
+
+    try:
+        lrs = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        lrs = ()
+    if not lrs or not all(math.isfinite(x) and x >= 0 for x in lrs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of learning rates >= 0 "
+                                         "(e.g. 1e-3,5e-4,2.5e-4)")
+    return lrs
+
+
 def cmd_check(args) -> int:
     from sbpc.compiler.tools.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
@@ -238,11 +258,11 @@ def cmd_check(args) -> int:
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
                                 timeout=args.timeout, ranks=args.ranks, free_running=args.free_running,
-                                backend=args.backend)
+                                backend=args.backend, lrs=args.lr_schedule)
     else:
         runner = make_runner(result.plan, make_backend(args.backend), seed=args.seed)
         report = run_check(result.plan, source, runner, optimizer, steps=args.steps, seed=args.seed,
-                           tolerance=args.tolerance, free_running=args.free_running)
+                           tolerance=args.tolerance, free_running=args.free_running, lrs=args.lr_schedule)
     print(f"sbpc check {args.model} on mesh {args.mesh}: {args.steps} steps, {args.optimizer}, seed {args.seed}")
     print(report.table())
     return 0 if report.passed else 1
@@ -446,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tolerance", type=float, default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
     k.add_argument("--free-running", action="store_true",
                    help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")
+    k.add_argument("--lr-schedule", metavar="LR,LR,...", type=_lr_list,
+                   help="the learning rate of each step, the last repeating (default: --lr every step); the plan "
+                        "takes it as its step input, torch.optim as param_groups' lr")
     k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
     k.add_argument("--backend", default="cpu", help="run the plan and eager PyTorch on cpu (default) or cuda "
                                                     "(one GPU per rank; eager on the first)")

@@ -38,7 +38,8 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
     mesh = mesh.with_microbatches(pipeline.microbatches)
     # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
     _manager(passes, ctx or CompileContext(), pipeline,
-             replace(memory, recompute=Recompute.NONE) if memory.recompute == Recompute.AUTO else memory)
+             replace(memory, recompute=Recompute.NONE) if memory.recompute == Recompute.AUTO else memory,
+             clip_grad=optimizer.clip_grad)
     t0 = time.perf_counter()
     graph = capture(source, mesh, batch_size, optimizer, config, precision_spec(memory.precision))
     result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
@@ -89,7 +90,8 @@ def _refuse_over_budget(roles, captured: Graph, source: ModelSource, mesh: Mesh,
                 graph = capture(source, target, batch_size, optimizer, config, precision_spec(change.memory.precision))
             else:  # a capture without stage hints serves every mesh of its batch size
                 graph = replace(captured, mesh=target)
-            passes = default_pipeline(pipeline, option.recompute, option.zero, option.offload)
+            passes = default_pipeline(pipeline, option.recompute, option.zero, option.offload,
+                                      clip_grad=optimizer.clip_grad)
             cut = next(i for i, p in enumerate(passes) if p.name == "recompute")
             key = (target, option.zero, option.offload)
             if key not in prefixes:
@@ -127,8 +129,8 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
     if memory.recompute == Recompute.AUTO:
-        memory = _least_recompute(graph, passes, ctx, pipeline, memory)
-    graph = _priced_run(graph, passes, ctx, pipeline, memory)
+        memory = _least_recompute(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
+    graph = _priced_run(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
     timings = {"passes": time.perf_counter() - t0}
     model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
     plan = lower(graph, model, optimizer, ctx.estimates, precision_spec(memory.precision))
@@ -136,13 +138,14 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     return CompileResult(plan=plan, graph=graph, timings=timings)
 
 
-def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions) -> Graph:
+def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions,
+                clip_grad: float | None = None) -> Graph:
     """The passes, with memory priced as the budget needs: the time-optimal plan (price 0) when
     it fits ``--device-memory`` or there is none; else the first of the dearer prices
     (``MEMORY_PRICES``) whose plan fits, tried without printing, then compiled as usual. When
     none fits, the time-optimal plan, which the budget check then refuses with its advice.
     Given passes are run as they are (their cost model is the caller's)."""
-    out = _manager(passes, ctx, pipeline, memory).run(graph)
+    out = _manager(passes, ctx, pipeline, memory, clip_grad=clip_grad).run(graph)
     if passes is not None or fits(ctx.estimates.get("roles", []), memory.device_memory):
         return out
     if all(k == 1 for axis, k in graph.mesh.device_axes if axis != "pp"):
@@ -150,24 +153,24 @@ def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOpt
     quiet = replace(ctx, print_after=set(), print_after_all=False, dump_dir=None, estimates={})
     for price in MEMORY_PRICES[1:]:
         trial = replace(quiet, estimates={})
-        priced = _manager(passes, trial, pipeline, memory, price).run(graph)
+        priced = _manager(passes, trial, pipeline, memory, price, clip_grad).run(graph)
         if fits(trial.estimates["roles"], memory.device_memory):
             print(f"sbpc: --device-memory: the time-optimal plan does not fit; memory priced at {price:g} link-moves "
                   "per byte kept for the backward, it does", file=ctx.log)
             ctx.estimates.clear()
             if ctx.print_after or ctx.print_after_all or ctx.dump_dir:  # what the user asked to see, of this plan
-                return _manager(passes, ctx, pipeline, memory, price).run(graph)
+                return _manager(passes, ctx, pipeline, memory, price, clip_grad).run(graph)
             ctx.estimates.update(trial.estimates)
             return priced
     return out
 
 
 def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions,
-             memory_price: float = 0.0) -> PassManager:
+             memory_price: float = 0.0, clip_grad: float | None = None) -> PassManager:
     """The pass manager of ``passes`` (default: the whole pipeline, the propagation pricing
     memory at ``memory_price``), its contracts checked, lowering's included."""
     passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero, memory.offload,
-                                                                memory_price)
+                                                                memory_price, clip_grad)
     manager = PassManager(passes, ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager
@@ -177,7 +180,7 @@ _RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # leas
 
 
 def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions,
-                     memory: MemoryOptions) -> MemoryOptions:
+                     memory: MemoryOptions, clip_grad: float | None = None) -> MemoryOptions:
     """``--recompute auto``: the first of none, selective, full whose estimate
     (``estimate_memory``: every pp stage's peak) fits ``--device-memory``. Candidates are
     compiled without printing; the caller compiles the chosen one as usual."""
@@ -186,7 +189,7 @@ def _least_recompute(graph: Graph, passes, ctx: CompileContext, pipeline: Pipeli
     for mode in _RECOMPUTE_ORDER:
         chosen = replace(memory, recompute=mode)
         trial = replace(quiet, estimates={})
-        _manager(passes, trial, pipeline, chosen).run(graph)  # time-optimal layouts (memory unpriced)
+        _manager(passes, trial, pipeline, chosen, clip_grad=clip_grad).run(graph)  # time-optimal layouts (memory unpriced)
         roles = trial.estimates["roles"]  # memory-plan's estimate_memory
         if fits(roles, memory.device_memory):
             print(f"sbpc: --recompute auto chose {mode.value}: the largest rank role needs "

@@ -57,10 +57,13 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         states=[P.StateSpec(**spec(i), update=update[i.name], **_state_init(i), **unpadded(i))
                 for i in graph.inputs_of(InputKind.STATE)],
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
+        hyper=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.HYPER)],
+        metrics={o.name: o.value for o in graph.outputs_of(OutputKind.METRIC)},
         init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
         optimizer=P.OptimizerSpec(kind=optimizer.kind, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                   weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
+                                  clip_grad=optimizer.clip_grad,
                                   fused=any(n.op == FUSED_ADAMW for n in graph.nodes)),
         estimates=P.Estimates(**estimates),
         pipeline=graph.schedule,

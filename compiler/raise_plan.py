@@ -18,10 +18,12 @@ def raise_plan(plan: P.Plan) -> Graph:
     mesh = Mesh(tuple((a.name, a.size) for a in plan.mesh))
     inputs = [_input(InputKind.PARAM, s) for s in plan.params] + [_input(InputKind.BUFFER, s) for s in plan.buffers]
     inputs += [_input(InputKind.STATE, s) for s in plan.states] + [_input(InputKind.BATCH, s) for s in plan.batch]
+    inputs += [_input(InputKind.HYPER, s) for s in plan.hyper]
     nodes = [_node(i) for st in plan.stages for i in st.instructions]
     outputs = [GraphOutput(OutputKind.LOSS, plan.stages[0].loss, "loss")]
     outputs += [GraphOutput(OutputKind.GRAD, p.grad, p.name) for p in plan.params]
     outputs += [GraphOutput(OutputKind.UPDATE, s.update, s.name) for s in [*plan.params, *plan.states]]
+    outputs += [GraphOutput(OutputKind.METRIC, v, name) for name, v in plan.metrics.items()]
     return Graph(name=model_name(plan.model.path), mesh=mesh, inputs=inputs, nodes=nodes, outputs=outputs,
                  init=[_node(i) for i in plan.init.instructions],
                  init_outputs=[GraphOutput(OutputKind.INIT, v, k) for k, v in plan.init.outputs.items()],

@@ -251,7 +251,13 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
     """The CPU kernel walks each tensor's storage in memory order, so a transposed (strided)
     gradient would be read in the wrong order: such a tensor goes in as a contiguous copy (a
     written one is copied back). Plans' gradients are contiguous as a rule (a weight gradient's
-    ``t(t(mm))`` is), so this costs nothing there."""
+    ``t(t(mm))`` is), so this costs nothing there.
+
+    The plan's ``lr`` is the step's learning rate input, a float64 0-d tensor; the kernel takes a
+    number, as torch.optim's ``AdamW(fused=True)`` passes its Python float, so the kernel runs
+    torch.optim's float-lr arithmetic (on cuda, reading the value waits for the 8 bytes)."""
+    if isinstance(kwargs.get("lr"), torch.Tensor):
+        kwargs = {**kwargs, "lr": kwargs["lr"].item()}
     lists = [params, grads, exp_avgs, exp_avg_sqs]
     if all(t.is_contiguous() for ts in lists for t in ts):
         kernel(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)

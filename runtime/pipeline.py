@@ -18,7 +18,7 @@ from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
-from sbpc.runtime.plan import DTYPES, Instruction, Plan, RefArg
+from sbpc.runtime.plan import DTYPES, GRAD_NORM, Instruction, Plan, RefArg
 from sbpc.runtime.runner import Firing, LocalBatch, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
 from sbpc.runtime.sharding import take_chunk, unpad
@@ -44,7 +44,7 @@ def plan_task_graph(plan: Plan) -> TaskGraph:
                   ins.kwargs.get("src") if isinstance(ins.kwargs.get("src"), int) else None)
              for prog in plan.stages for i, ins in enumerate(prog.instructions)]
     outs = [plan.stages[0].loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
-            *(s.update for s in plan.states), *(r.value for r in plan.pipeline.replicas)]
+            *(s.update for s in plan.states), *(r.value for r in plan.pipeline.replicas), *plan.metrics.values()]
     return TaskGraph(items, outs, plan.pipeline.microbatches)
 
 
@@ -109,6 +109,7 @@ class PipelineRunner(Runner):
                 self.programs[key] = _program(programs[key[0]].instructions, body, backend)
         self.types = {o: t for prog in plan.stages for ins in prog.instructions for o, t in zip(ins.outs, ins.types)}
         mine = {v for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage for v in b.inputs}
+        self._inputs_here = mine
         self._batch_here = {b.value for b in plan.batch if b.value in mine}  # the batch tensors this stage reads
         self._load(weights, seed, {p.name for p in plan.params if p.value in mine},
                    {b.name for b in plan.buffers if b.value in mine}, {s.name for s in plan.states if s.value in mine})
@@ -121,10 +122,10 @@ class PipelineRunner(Runner):
 
     # ----- one step
     def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
-             keep_grads: bool = False) -> StepResult:
+             keep_grads: bool = False, lr: float | None = None) -> StepResult:
         self._check_batch(batch)
+        step_env: dict[str, torch.Tensor] = {v: t for v, t in self._hyper(lr).items() if v in self._inputs_here}
         self._seed_step(rng_seed)
-        step_env: dict[str, torch.Tensor] = {}
         for group, specs in ((self.params, self.plan.params), (self.buffers, self.plan.buffers),
                              (self.states, self.plan.states)):
             step_env.update({s.value: group[s.name] for s in specs if s.name in group})
@@ -249,21 +250,22 @@ class PipelineRunner(Runner):
         for s in plan.states:
             if s.name in self.states:
                 self.states[s.name] = step_env[s.update] if s.update in self._made_here else step_env[replicas[s.name]]
-        loss = self._loss(step_env)
+        loss = self._scalar(step_env, plan.stages[0].loss)
+        metrics = {name: self._scalar(step_env, v) for name, v in plan.metrics.items()}
         grads = self._collect({p.name: (step_env.get(p.grad), self._value_sbp(self.types.get(p.grad), fallback=p))
                                for p in plan.params if p.grad in self._made_here}) if keep_grads else {}
-        return StepResult(loss=loss, grads=self._logical(grads or {}))
+        return StepResult(loss=loss, grads=self._logical(grads or {}), grad_norm=metrics.get(GRAD_NORM))
 
-    def _loss(self, step_env) -> float:
-        """The step's loss on every rank: gathered on its stage, broadcast from that stage's lead."""
-        name = self.plan.stages[0].loss
+    def _scalar(self, step_env, name: str) -> float:
+        """A 0-d value of the step (the loss, a metric) on every rank: gathered on the stage that
+        makes it, broadcast from that stage's lead."""
         here = name in self._made_here
         value = torch.zeros(()) if not here else self.gather(step_env[name], self._value_sbp(self.types[name]))
-        owner = self.topology.rank_of({**self.topology.coords, "pp": self._loss_stage(), **{a: 0 for a in self.topology.sbp_axes}})
+        owner = self.topology.rank_of({**self.topology.coords, "pp": self._stage_of(name),
+                                       **{a: 0 for a in self.topology.sbp_axes}})
         return float(self.backend.communicator.broadcast(value.detach().reshape(()).to(torch.float64), owner))
 
-    def _loss_stage(self) -> int:
-        name = self.plan.stages[0].loss
+    def _stage_of(self, name: str) -> int:
         return next(prog.stage for prog in self.plan.stages for ins in prog.instructions if name in ins.outs) % self.p
 
     def _collect(self, values: dict[str, tuple]) -> dict[str, torch.Tensor] | None:

@@ -21,7 +21,9 @@ from sbpc.errors import PlanError
 from sbpc.runtime.files import write_atomic
 from sbpc.runtime.kinds import MemoryKind, Precision, ScheduleName
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+LR = "lr"  # the name of the learning rate input (``Plan.hyper``)
+GRAD_NORM = "grad_norm"  # the global gradient norm (``Plan.metrics``; computed under --clip-grad)
 
 DTYPES = {
     "f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
@@ -87,7 +89,7 @@ class Instruction(_Model):
 
 
 class TensorSpec(_Model):
-    name: str  # param/buffer FQN, "exp_avg:<param>", "step" or "batch.<i>"
+    name: str  # param/buffer FQN, "exp_avg:<param>", "step", "batch.<i>" or "lr"
     value: str  # the program value it binds to
     shape: list[int]
     dtype: str  # torch dtype name, e.g. "float32"
@@ -170,6 +172,7 @@ class OptimizerSpec(_Model):
     eps: float
     weight_decay: float
     momentum: float
+    clip_grad: float | None = None  # the gradients are clipped by their global norm to this
     # the update is torch's fused AdamW kernel (compiler pass fuse-adamw): `sbpc check` compares it
     # with AdamW(fused=True), which runs the same kernel, not with the single-tensor algorithm
     fused: bool = False
@@ -233,6 +236,12 @@ class Plan(_Model):
     buffers: list[TensorSpec]
     states: list[StateSpec]
     batch: list[TensorSpec]
+    # per-step scalar inputs the runtime fills each step: "lr", the learning rate (f64[], B);
+    # ``Runner.step(lr=)`` gives it, ``optimizer.lr`` when not
+    hyper: list[TensorSpec] = Field(default_factory=list)
+    # numbers of the step the runtime reports, name -> value: "grad_norm", the global norm of the
+    # gradients before clipping (``StepResult.grad_norm``)
+    metrics: dict[str, str] = Field(default_factory=dict)
     init: InitProgram
     optimizer: OptimizerSpec
     estimates: Estimates

@@ -13,6 +13,7 @@ in logical form only through ``Runner.gather`` (the loss for reporting, gradient
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from sbpc.runtime.executor import Program
 from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.model_file import import_model_file
 from sbpc.runtime.overlap import check_plan as check_issue_order
-from sbpc.runtime.plan import Plan, TensorSpec
+from sbpc.runtime.plan import GRAD_NORM, LR, Plan, TensorSpec
 from sbpc.runtime.rng import draws, replay
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape, parse_nd_sbp
 from sbpc.runtime.sharding import combine, local_shard, pad_to, unpad
@@ -54,6 +55,9 @@ class LocalBatch:
 class StepResult:
     loss: float
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the global norm of the gradients before clipping, on every rank, where the plan computes it
+    # (compiled with --clip-grad); None where it does not
+    grad_norm: float | None = None
 
 
 class Runner:
@@ -65,14 +69,15 @@ class Runner:
             raise RuntimeFailure(f"plan has {len(plan.stages)} pipeline stages; Runner runs one",
                                  hint="use runtime.pipeline.PipelineRunner (make_runner picks it)")
         stage = plan.stages[0]
-        specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
-        # outputs: the loss, then each param's gradient and update, then each state's update
+        specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch, *plan.hyper]
+        # outputs: the loss, then each param's gradient and update, each state's update, the metrics
         outputs = [stage.loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
-                   *(s.update for s in plan.states)]
+                   *(s.update for s in plan.states), *plan.metrics.values()]
         self.program = Program(stage.instructions, [s.value for s in specs], outputs, backend,
                                name=f"stage{stage.stage}")
         types = {o: t for ins in stage.instructions for o, t in zip(ins.outs, ins.types)}
         self.loss_sbp = self._value_sbp(types.get(stage.loss))
+        self.metric_sbp = {name: self._value_sbp(types.get(v)) for name, v in plan.metrics.items()}
         self.grad_sbp = {p.name: self._value_sbp(types.get(p.grad), fallback=p) for p in plan.params}
         self._load(weights, seed, {p.name for p in plan.params}, {b.name for b in plan.buffers},
                    {s.name for s in plan.states})
@@ -155,17 +160,31 @@ class Runner:
         ``LocalBatch`` holds these)."""
         return self._shard(t, self.plan.batch[i])
 
+    def _hyper(self, lr: float | None) -> dict[str, torch.Tensor]:
+        """The step's scalar inputs by value: the learning rate ``lr`` (None: the plan's
+        ``optimizer.lr``) as a float64 0-d tensor, torch.optim's Python float, where the update
+        runs (the host under optimizer offload)."""
+        lr = self.plan.optimizer.lr if lr is None else lr
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise RuntimeFailure(f"learning rate {lr!r} is not a finite number >= 0",
+                                 hint="pass step(lr=) a float, or None for the plan's optimizer.lr")
+        values = {LR: float(lr)}
+        return {s.value: self._place(torch.tensor(values[s.name], dtype=torch.float64), s) for s in self.plan.hyper}
+
     def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
-             keep_grads: bool = False) -> StepResult:
+             keep_grads: bool = False, lr: float | None = None) -> StepResult:
         """One training step on the logical ``batch`` (or this rank's ``LocalBatch`` of it).
         ``rng_seed`` seeds torch's RNG first, so dropout masks are those of an eager step seeded
-        the same way (the program draws them in eager's order)."""
+        the same way (the program draws them in eager's order). ``lr`` is the step's learning
+        rate (None: the plan's ``optimizer.lr``), what torch.optim reads from
+        ``param_groups[i]["lr"]``: a schedule sets it each step."""
         self._check_batch(batch)
+        hyper = self._hyper(lr)
         self._seed_step(rng_seed)
         parts = batch.tensors if isinstance(batch, LocalBatch) else \
             [self.batch_part(b, i) for i, b in enumerate(batch)]
         env = [*self.params.values(), *self.buffers.values(), *self.states.values(),
-               *(b.to(self.backend.device) for b in parts)]
+               *(b.to(self.backend.device) for b in parts), *hyper.values()]
         start = time.time()
         loss, *rest = self.program.run(env)
         self.firings.append(Firing("step", start, time.time(), self.steps))
@@ -175,8 +194,10 @@ class Runner:
         grads = {name: unpad(self.gather(g, self.grad_sbp[name]), self.logical_shape[name])
                  for name, g in zip(self.params, rest[:n])} if keep_grads else {}
         self.params = dict(zip(self.params, rest[n:2 * n]))
-        self.states = dict(zip(self.states, rest[2 * n:]))
-        return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads)
+        self.states = dict(zip(self.states, rest[2 * n:2 * n + len(self.states)]))
+        metrics = {name: float(self.gather(t, self.metric_sbp[name]))
+                   for name, t in zip(self.plan.metrics, rest[2 * n + len(self.states):])}
+        return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads, grad_norm=metrics.get(GRAD_NORM))
 
     def checkpoint_tensors(self) -> dict:
         """The tensors this rank writes to a checkpoint (runtime/checkpoint.py), by name: on one

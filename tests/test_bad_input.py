@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import sbpc
+from sbpc.runtime.plan import SCHEMA_VERSION
 
 SECONDS = 120  # a case that takes longer than this hangs
 
@@ -340,15 +341,15 @@ CASES = [
     # --- plan files -------------------------------------------------------------------------
     Case("plan-missing", ["run", "does/not/exist.json"], "plan file 'does/not/exist.json' does not exist"),
     Case("plan-not-json", ["run", "{tmp}/plan.json"], ("is not valid JSON", "plan.json:1:"),
-         write("plan.json", '{"schema_version": 2, "stages": [')),
+         write("plan.json", '{"schema_version": %d, "stages": [' % SCHEMA_VERSION)),
     Case("plan-truncated", ["run", "{tmp}/plan.json"], ("is not valid JSON", "truncated"),
          compiled(lambda text: text[: len(text) // 2])),
-    Case("plan-other-schema-version", ["inspect", "{tmp}/plan.json"], "schema_version 99, this sbpc reads version 2",
+    Case("plan-other-schema-version", ["inspect", "{tmp}/plan.json"], f"schema_version 99, this sbpc reads version {SCHEMA_VERSION}",
          compiled(edit_json(_set("schema_version", 99)))),
     Case("plan-no-schema-version", ["run", "{tmp}/plan.json"], "schema_version None",
          write("plan.json", "[1, 2]")),
     Case("plan-malformed", ["run", "{tmp}/plan.json"], "is malformed at",
-         write("plan.json", json.dumps({"schema_version": 2, "stages": 3}))),
+         write("plan.json", json.dumps({"schema_version": SCHEMA_VERSION, "stages": 3}))),
     Case("plan-edited-field-type", ["run", "{tmp}/plan.json", "--steps", "1"], "is malformed at mesh.0.size",
          compiled(edit_json(_set("mesh.0.size", "two")))),
     Case("plan-edited-mesh-size", ["run", "{tmp}/plan.json", "--steps", "1"], EDITED,

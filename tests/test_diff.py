@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT
 from filecheck import filecheck
 from sbpc.cli import main
+from sbpc.runtime.plan import SCHEMA_VERSION
 
 CHECKS = sorted((Path(__file__).parent / "golden").glob("diff-*.check"))
 _plans: dict[str, str] = {}
@@ -100,7 +101,7 @@ def test_a_plan_against_itself_changes_nothing(plan_dir):
 @pytest.mark.parametrize("content,pattern", [
     (None, r"plan file '.*missing\.json' does not exist"),
     ("not json", r"is not valid JSON"),
-    ('{"schema_version": 2}', r"is malformed at sbpc_version"),
+    ('{"schema_version": %d}' % SCHEMA_VERSION, r"is malformed at sbpc_version"),
 ])
 def test_bad_plan_is_one_line_exit_2(tmp_path, plan_dir, content, pattern):
     import re

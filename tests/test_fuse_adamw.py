@@ -11,6 +11,7 @@ from sbpc.compiler.ir.mesh import parse_mesh
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.tools.check import run_check
 from sbpc.runtime.backend import FUSED_ADAMW, make_backend
+from sbpc.runtime.plan import RefArg
 from sbpc.runtime.runner import Runner
 
 TOL = 1e-5
@@ -25,9 +26,11 @@ def test_the_update_of_every_parameter_is_one_fused_kernel_call():
     assert _update_ops(plan) == ["aten.add_.Tensor", FUSED_ADAMW]  # the step counter, then all 29 parameters
     (fused,) = [i for i in plan.stages[0].instructions if i.op == FUSED_ADAMW]
     assert len(fused.outs) == 3 * len(plan.params) == 3 * 29
-    assert fused.kwargs == dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
-                                maximize=False)
-    assert plan.optimizer.fused
+    # the learning rate is the step's input, the other hyperparameters the compiled constants
+    assert fused.kwargs == dict(lr=RefArg(ref="lr"), beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                amsgrad=False, maximize=False)
+    assert [(h.name, h.value, h.dtype, h.shape) for h in plan.hyper] == [("lr", "lr", "float64", [])]
+    assert plan.optimizer.fused and plan.optimizer.lr == 1e-3
     # the memory estimate counts the results as the storages they overwrite (no old + new at the peak)
     (role,) = plan.estimates.roles
     assert role.params == role.param_bytes and role.optimizer == role.optimizer_bytes

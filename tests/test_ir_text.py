@@ -155,6 +155,7 @@ def test_wide_graph_prints_as_documented():
         CHECK-NEXT: output grad %n1 "grad"
         CHECK-NEXT: output update %n2 "update"
         CHECK-NEXT: output init %n3 "init"
+        CHECK-NEXT: output metric %n4 "metric"
         CHECK-NEXT: {{^}}}
         CHECK-NOT: init {
     """)

@@ -12,7 +12,7 @@ from sbpc.compiler.memory.estimate import Storages, estimate_memory
 from sbpc.compiler.passes import PipelineOptions
 from sbpc.compiler.ir.types import OutputKind
 
-STEP_COUNTER = 8  # AdamW's one shared f64 step counter, on every stage that updates
+OPT_SCALARS = 16  # AdamW's f64 step counter and the f64 learning rate input, on every stage that updates
 
 
 def _compile(model: str, mesh: str, sets: dict, batch: int = 4, microbatches: int | None = None, **kw):
@@ -28,7 +28,7 @@ def test_fp32_adamw_model_state_is_16_bytes_per_parameter(mesh):
     (role,) = result.plan.estimates.roles
     p = result.plan.estimates.param_count
     tp = parse_mesh(mesh).size("tp")
-    state = role.param_bytes + role.grad_bytes + role.optimizer_bytes - STEP_COUNTER
+    state = role.param_bytes + role.grad_bytes + role.optimizer_bytes - OPT_SCALARS
     # under tp the layer norms and row-parallel biases stay replicated: count them from the shard table
     replicated = sum(x.numel for x in _replicated_on_tp(result)) if tp > 1 else 0
     assert state == 16 * ((p - replicated) // tp + replicated) + _bucketed_non_gradients(result)
@@ -294,7 +294,7 @@ def test_zero_model_state_per_device(zero):
     result = _compile("gpt.py", f"{n}x1x1", {"preset": "tiny"}, memory=MemoryOptions(zero=zero))
     (role,) = result.plan.estimates.roles
     p = result.plan.estimates.param_count
-    assert role.optimizer_bytes - STEP_COUNTER == 8 * p // n
+    assert role.optimizer_bytes - OPT_SCALARS == 8 * p // n
     assert role.param_bytes == (4 * p // n if zero == 3 else 4 * p)
     if zero == 1:
         # ZeRO-1's formula keeps whole gradients; here the update of a state shard reads only its
@@ -302,7 +302,7 @@ def test_zero_model_state_per_device(zero):
         # when it does so for every gradient, as on this model), and never holds more than 4P
         assert 4 * p // n <= role.grad_bytes < 4 * p
     else:  # 2P + 14P/N and 16P/N at 2-byte params and grads: 4P + 12P/N and 16P/N in fp32
-        assert role.param_bytes + role.grad_bytes + role.optimizer_bytes - STEP_COUNTER == \
+        assert role.param_bytes + role.grad_bytes + role.optimizer_bytes - OPT_SCALARS == \
             {2: 4 * p + 12 * p // n, 3: 16 * p // n}[zero]
 
 
@@ -323,7 +323,7 @@ def test_zero_model_state_per_device_when_dp_divides_no_dim(zero):
     assert sum(s.unpadded is not None for s in padded.values()) == len(padded) - 2 * 2  # all but qkv's (2 layers)
     assert p < p_pad < p * 1.05
     # 8P'/N of state: at most the ceil-padded share, and less than the unsharded 8P
-    assert role.optimizer_bytes - STEP_COUNTER == 8 * p_pad // n < 8 * p
+    assert role.optimizer_bytes - OPT_SCALARS == 8 * p_pad // n < 8 * p
     split = sum(_numel(q.shape) for q in result.plan.params if q.sbp[0] != "B")  # the qkv weights and biases
     assert role.param_bytes == (4 * split // n + 4 * (p - split) if zero == 3 else 4 * p)
     if zero == 1:
@@ -331,7 +331,7 @@ def test_zero_model_state_per_device_when_dp_divides_no_dim(zero):
     else:
         assert role.grad_bytes == 4 * p_pad // n
         # 4P + 12P'/N (stage 2); stage 3 splits what dp divides: 16P'/N over those, 4P over the rest
-        assert role.param_bytes + role.grad_bytes + role.optimizer_bytes - STEP_COUNTER == \
+        assert role.param_bytes + role.grad_bytes + role.optimizer_bytes - OPT_SCALARS == \
             (4 * p if zero == 2 else 4 * (p - split) + 4 * split // n) + 12 * p_pad // n
 
 

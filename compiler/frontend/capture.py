@@ -148,11 +148,12 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
 
 
 def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
-    """Inputs by kind (params, buffers, states, batch); outputs loss, grads, then updates in input order."""
+    """Inputs by kind (params, buffers, states, batch, hyper); outputs loss, grads, updates in input
+    order, then metrics."""
     kinds = list(InputKind)
     inputs = sorted(inputs, key=lambda i: kinds.index(i.kind))
     rank = {i.name: n for n, i in enumerate(inputs)}
-    okinds = [OutputKind.LOSS, OutputKind.GRAD, OutputKind.UPDATE]
+    okinds = [OutputKind.LOSS, OutputKind.GRAD, OutputKind.UPDATE, OutputKind.METRIC]
     outputs = sorted(outputs, key=lambda o: (okinds.index(o.kind), rank.get(o.name, -1)))
     return inputs, outputs
 

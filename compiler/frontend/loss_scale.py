@@ -51,7 +51,7 @@ def append_unscale(grads: list[tuple[str, TensorType]], nodes: list[Node]) -> tu
         bad = sum(torch.isfinite(g).logical_not().sum() for g in unscaled)
         return (bad, *unscaled)
 
-    outs = _splice(unscale, [(LOSS_SCALE, STATE_TYPES[LOSS_SCALE]), *grads], "unscale", nodes)
+    outs = splice(unscale, [(LOSS_SCALE, STATE_TYPES[LOSS_SCALE]), *grads], "unscale", nodes)
     return outs[0], outs[1:]
 
 
@@ -70,7 +70,7 @@ def append_skip(cfg: LossScaling, found: str, inputs: list[GraphInput], nodes: l
         return tuple(torch.where(skip, old, new) for old, new in zip(pairs[::2], pairs[1::2]))
 
     pairs = [v for o in updates for v in ((old_of[o.name].value, old_of[o.name].type), (o.value, old_of[o.name].type))]
-    kept = _splice(keep_old, [(found, TensorType((), "i64")), *pairs], "skip", nodes)
+    kept = splice(keep_old, [(found, TensorType((), "i64")), *pairs], "skip", nodes)
     outputs[:] = [o for o in outputs if o.kind != OutputKind.UPDATE] + \
         [GraphOutput(OutputKind.UPDATE, v, o.name) for o, v in zip(updates, kept)]
 
@@ -88,11 +88,11 @@ def append_skip(cfg: LossScaling, found: str, inputs: list[GraphInput], nodes: l
 
     state = [(LOSS_SCALE, types[LOSS_SCALE]), (GROWTH_TRACKER, types[GROWTH_TRACKER]),
              (SKIPPED_STEPS, types[SKIPPED_STEPS])]
-    new = _splice(update_scale, [(found, TensorType((), "i64")), *state], "scaler", nodes)
+    new = splice(update_scale, [(found, TensorType((), "i64")), *state], "scaler", nodes)
     outputs.extend(GraphOutput(OutputKind.UPDATE, v, name) for v, (name, _) in zip(new, state))
 
 
-def _splice(fn, args: list[tuple[str, TensorType]], prefix: str, nodes: list[Node]) -> list[str]:
+def splice(fn, args: list[tuple[str, TensorType]], prefix: str, nodes: list[Node]) -> list[str]:
     """Trace ``fn`` on fake tensors of the ``(value, type)`` arguments and append its ops,
     reading those values, as optimizer ops; returns the values of its results."""
     with FakeTensorMode():

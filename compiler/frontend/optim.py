@@ -18,6 +18,9 @@ from sbpc.compiler.frontend.fx_import import import_fx
 from sbpc.compiler.ir.types import (DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, SourceLoc,
                                     StateName, TensorType, map_refs)
 from sbpc.errors import CompileError
+from sbpc.runtime.plan import LR
+
+LR_VALUE = "lr"  # the learning rate input's value in the IR
 
 _TEMPLATE_SHAPE = (3, 7)  # any shape unlikely to appear as a literal in the update math
 
@@ -30,6 +33,8 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     momentum: float = 0.0
+    # clip the gradients by their global norm to this (torch.nn.utils.clip_grad_norm_), None: never
+    clip_grad: float | None = None
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -51,13 +56,15 @@ class OptimizerConfig:
 def _adamw(cfg: OptimizerConfig):
     b1, b2 = cfg.betas
 
-    def update(param, grad, exp_avg, exp_avg_sq, step):
-        # Bias corrections in float64, as torch computes them in Python: 1 - 0.999**t
+    def update(param, grad, exp_avg, exp_avg_sq, step, lr):
+        # The learning rate is the step's input (f64, as torch's Python float), so every
+        # product with it is torch's: 1 - lr * wd and lr / (1 - b1^t) in float64, and the
+        # bias corrections in float64 too, as torch computes them in Python: 1 - 0.999**t
         # cancels badly in float32.
-        param = param * (1 - cfg.lr * cfg.weight_decay)
+        param = param * (1 - lr * cfg.weight_decay)
         exp_avg = torch.lerp(exp_avg, grad, 1 - b1)
         exp_avg_sq = torch.addcmul(exp_avg_sq * b2, grad, grad, value=1 - b2)
-        step_size = cfg.lr / (1 - torch.pow(b1, step))
+        step_size = lr / (1 - torch.pow(b1, step))
         denom = exp_avg_sq.sqrt() / torch.sqrt(1 - torch.pow(b2, step)) + cfg.eps
         # (value * t1) / t2 + self: the order of torch's addcdiv kernel, so rounding matches.
         return param + (-step_size * exp_avg) / denom, exp_avg, exp_avg_sq
@@ -68,12 +75,15 @@ def _adamw(cfg: OptimizerConfig):
 def _sgd(cfg: OptimizerConfig):
     # torch.add(x, y, alpha=a) is one kernel computing fma(y, a, x): one rounding where
     # x + a * y rounds twice, so the plan says add-with-alpha wherever torch's SGD does
-    # (grad.add(param, alpha=wd), buf.mul_(m).add_(grad), param.add_(d_p, alpha=-lr)).
-    def update(param, grad, *state_and_step):
+    # (grad.add(param, alpha=wd), buf.mul_(m).add_(grad)). The step's -lr is a tensor, which
+    # alpha cannot be: addcmul(p, d_p, -lr) is the same single rounding (torch's SGD itself
+    # takes it for a tensor lr; bit for bit add(p, d_p, alpha=-lr), measured on 4M entries).
+    def update(param, grad, *state_step_lr):
+        *state, _step, lr = state_step_lr
         d_p = torch.add(grad, param, alpha=cfg.weight_decay) if cfg.weight_decay else grad
         if cfg.momentum:
-            d_p = state_and_step[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
-        return (torch.add(param, d_p, alpha=-cfg.lr), *((d_p,) if cfg.momentum else ()))
+            d_p = state[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
+        return (torch.addcmul(param, d_p, -lr), *((d_p,) if cfg.momentum else ()))
 
     return update
 
@@ -84,7 +94,8 @@ def _template(cfg: OptimizerConfig, dtype: str):
     update = _adamw(cfg) if cfg.kind == "adamw" else _sgd(cfg)
     shape = _TEMPLATE_SHAPE
     example = [torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype])) for _ in range(2 + len(cfg.state_names))]
-    example.append(torch.zeros((), dtype=torch.float64))
+    # the step counter and the learning rate: two tensors (one object twice would trace as one input)
+    example += [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     tpl = import_fx(make_fx(lambda *a: update(*a))(*example))
     for n in tpl.nodes:  # stamping per parameter only rewrites types, so no op may name a shape
         if any(isinstance(a, list) and tuple(a) == shape for a in (*n.args, *n.kwargs.values())):
@@ -94,12 +105,14 @@ def _template(cfg: OptimizerConfig, dtype: str):
 
 def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorType, str, SourceLoc | None]],
                      inputs: list[GraphInput], nodes: list[Node], outputs: list[GraphOutput]) -> None:
-    """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad, loc)`` params.
+    """Add state inputs, update ops and update outputs for ``(fqn, value, type, grad, loc)`` params,
+    and the learning rate input every update reads.
 
     A parameter's update ops carry its module path and the line that created it."""
     step_in, step_out = "opt_step", "opt_step_next"
     step_type = TensorType((), "f64")
     inputs.append(GraphInput(InputKind.STATE, step_in, step_type, str(StateName("step"))))
+    inputs.append(lr_input())
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
     outputs.append(GraphOutput(OutputKind.UPDATE, step_out, str(StateName("step"))))
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
@@ -108,7 +121,8 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
         states = [(f"{s}_{i}", str(StateName(s, fqn))) for s in cfg.state_names]
         for sval, sname in states:
             inputs.append(GraphInput(InputKind.STATE, sval, ttype, sname))
-        rename = dict(zip((tpl.names[p] for p in tpl.placeholders), [value, grad, *(s for s, _ in states), step_out]))
+        rename = dict(zip((tpl.names[p] for p in tpl.placeholders),
+                          [value, grad, *(s for s, _ in states), step_out, LR_VALUE]))
         for n in tpl.nodes:
             rename.update({o: f"opt{i}_{o}" for o in n.outputs})
             nodes.append(Node([rename[o] for o in n.outputs], n.op, map_refs(n.args, rename.__getitem__),
@@ -117,6 +131,12 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
         results = [rename[tpl.names[o]] for o in tpl.outputs]
         outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
         outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))
+
+
+def lr_input() -> GraphInput:
+    """The learning rate: a per-step input (``Runner.step(lr=)``; the plan's ``optimizer.lr``
+    when none is given), f64 as torch's Python float, B on every axis (the default SBP)."""
+    return GraphInput(InputKind.HYPER, LR_VALUE, TensorType((), "f64"), LR)
 
 
 def _retype(t: TensorType, param: TensorType) -> TensorType:

@@ -97,6 +97,9 @@ class InputKind(enum.Enum):
     BUFFER = "buffer"
     STATE = "state"  # optimizer state
     BATCH = "batch"
+    # a per-step scalar the runtime gives each step, not a state the step updates: the learning
+    # rate ("lr", f64[], B on every axis), so one plan follows any schedule
+    HYPER = "hyper"
 
 
 class OutputKind(enum.Enum):
@@ -104,6 +107,7 @@ class OutputKind(enum.Enum):
     GRAD = "grad"  # the gradient of a parameter, before the optimizer
     UPDATE = "update"  # the new value of a param or optimizer state
     INIT = "init"  # init region: the constructed value of a param or buffer
+    METRIC = "metric"  # a number of the step the runtime reports: "grad_norm" (--clip-grad)
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ class GraphInput:
     kind: InputKind
     value: str
     type: TensorType
-    name: str  # param/buffer FQN, a StateName's text ("exp_avg:h.0.attn.c_attn.weight"), or "batch.0"
+    name: str  # param/buffer FQN, a StateName's text ("exp_avg:h.0.attn.c_attn.weight"), "batch.0" or "lr"
     sbp: NdSbp | None = None
     why: str | None = None  # where its SBP came from (`sbpc explain`); not in the text IR
     memory: MemoryKind = MemoryKind.DEVICE  # where the runtime holds it between steps

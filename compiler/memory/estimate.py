@@ -84,6 +84,7 @@ class Storages:
                    for o in graph.outputs_of(OutputKind.UPDATE)}
         for i in graph.inputs:
             term = {InputKind.PARAM: Term.PARAMS, InputKind.BUFFER: Term.PARAMS, InputKind.STATE: Term.OPTIMIZER,
+                    InputKind.HYPER: Term.OPTIMIZER,  # the learning rate: 8 bytes, read by the update
                     InputKind.BATCH: Term.ACTIVATIONS}[i.kind]
             self.root[i.value] = i.value
             self.store[i.value] = _Storage(i.type.local_nbytes(i.sbp, sizes) if i.memory == memory else 0, term, term)
@@ -329,7 +330,9 @@ def _model_state(graph: Graph, store: Storages) -> dict[int, tuple[int, int, int
     for s in range(pp):
         params = sum(store.store[i.value].nbytes for i in graph.inputs
                      if i.kind in (InputKind.PARAM, InputKind.BUFFER) and s in readers.get(i.value, ()))
-        states = sum(store.store[i.value].nbytes for i in graph.inputs_of(InputKind.STATE) if s in readers.get(i.value, ()))
+        # optimizer state, and the learning rate the update reads (the optimizer column's too)
+        states = sum(store.store[i.value].nbytes for i in graph.inputs if i.kind in (InputKind.STATE, InputKind.HYPER)
+                     and s in readers.get(i.value, ()))
         grads = store.nbytes({store.root[o.value] for o in graph.outputs_of(OutputKind.GRAD)
                               if made_on.get(o.value, 0) == s and o.value in store.root})
         out[s] = (params, grads, states)

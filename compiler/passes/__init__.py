@@ -6,6 +6,7 @@ from sbpc.runtime.kinds import Recompute as RecomputeMode, ScheduleName
 from sbpc.compiler.passes.boxing import Boxing
 from sbpc.compiler.sbp.cost_model import AlphaBeta
 from sbpc.compiler.passes.coalesce import Coalesce
+from sbpc.compiler.passes.clip_grad import ClipGrad
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
 from sbpc.compiler.passes.decompose import Decompose
@@ -25,7 +26,7 @@ from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
                                 SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, FuseAdamW, InPlace, MemoryPlan,
-                                Zero, Overlap, Offload)}
+                                Zero, Overlap, Offload, ClipGrad)}
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class PipelineOptions:
 
 
 def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,
-                     zero: int = 0, offload: str = "none", memory_price: float = 0.0):
+                     zero: int = 0, offload: str = "none", memory_price: float = 0.0, clip_grad: float | None = None):
     """The passes `sbpc compile` runs, in order. ZeRO (hints on the dp axis) runs before the
     stage partition places its hints, and after offload, so the master copies it adds are split
     like the rest of the optimizer state. ``memory_price``: the propagation's price of a byte kept
@@ -46,11 +47,12 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     budget). Recompute runs on the boxed graph (its clones
     copy SBPs and collectives) before localize and schedule (which treat clones as any op). The
     memory plan comes last: the estimate is of the program that runs, its collectives' buffers
-    held from issue to wait."""
+    held from issue to wait. ``clip_grad`` (--clip-grad): clip-grad runs on the propagated graph,
+    in the layouts the update reads, so clipping changes no other choice."""
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
             SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
-            Boxing(), Coalesce(),
+            ClipGrad(max_norm=clip_grad), Boxing(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
             FuseAdamW(), InPlace(), Overlap(), MemoryPlan()]

@@ -58,17 +58,25 @@ class Coalesce:
         return replace(graph, nodes=nodes)
 
     def _buckets(self, nodes: list[Node], idxs: list[int]) -> list[list[int]]:
+        """Cut in program order at the byte caps, and before a member computed from the bucket's
+        (--clip-grad's norm, reduced after the gradients it sums): such members cannot share a
+        call, and a bucket holding one would not fuse at all."""
         buckets: list[list[int]] = []
-        size = 0
+        size, tainted, pos = 0, set(), 0
         for i in idxs:
+            for k in range(pos, i):  # what reads the bucket so far, up to this member
+                if any(u in tainted for u in nodes[k].uses()):
+                    tainted.update(nodes[k].outputs)
+            pos = i + 1
             nbytes = nodes[i].types[0].nbytes
             cap = self.first_bucket_bytes if len(buckets) == 1 else self.bucket_bytes
-            if buckets and size + nbytes <= cap:
+            if buckets and size + nbytes <= cap and not any(u in tainted for u in nodes[i].uses()):
                 buckets[-1].append(i)
                 size += nbytes
             else:
                 buckets.append([i])
-                size = nbytes
+                size, tainted = nbytes, set()
+            tainted.update(nodes[i].outputs)
         return buckets
 
 

@@ -10,10 +10,12 @@ traces,
     p' = p * (1 - lr*wd) + (-(lr / (1 - b1^t)) * m') / (sqrt(v') / sqrt(1 - b2^t) + eps)
     m' = lerp(m, g, 1 - b1)        v' = addcmul(v * b2, g, g, value=1 - b2)      t = step + 1
 
-with the same constants for all parameters, and replaces all of them by one
-``_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [t] * n, lr=, beta1=, ...)`` whose
-results are the overwritten parameter, exp_avg and exp_avg_sq lists (``compiler/ir/aten.py::
-overwritten``). It is all or nothing: if one parameter's update is anything else (SGD, a loss
+with the same constants for all parameters (``lr`` is the step's learning rate input), and
+replaces all of them by one ``_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [t] * n,
+lr=%lr, beta1=, ...)`` whose results are the overwritten parameter, exp_avg and exp_avg_sq lists
+(``compiler/ir/aten.py::overwritten``). The kernel takes ``lr`` as a number: the runtime reads
+the 0-d input's value (runtime/backend.py), so the kernel computes what torch.optim's
+``AdamW(fused=True)`` computes from ``param_groups[i]["lr"]``. It is all or nothing: if one parameter's update is anything else (SGD, a loss
 scale's skip, another dtype), nothing is fused, so `sbpc check` compares the whole update with
 one eager optimizer (``OptimizerSpec.fused``; docs/check.md says why that is sound).
 
@@ -60,7 +62,7 @@ class _Update:
 
 @dataclass(frozen=True)
 class _Hyper:
-    lr: float
+    lr: str  # the learning rate input
     beta1: float
     beta2: float
     weight_decay: float
@@ -92,6 +94,9 @@ class _Matcher:
     def state(self, a) -> str | None:
         return a.name if isinstance(a, Ref) and self.kind.get(a.name) == InputKind.STATE else None
 
+    def lr(self, a) -> str | None:
+        return a.name if isinstance(a, Ref) and self.kind.get(a.name) == InputKind.HYPER else None
+
     def bias_power(self, value) -> tuple[float, str, list[int]] | None:
         """``1 - b ** t`` as ``rsub(pow(b, t), 1)``: (b, t, its two nodes)."""
         r = self.node(value, "aten.rsub.Scalar")
@@ -110,7 +115,12 @@ class _Matcher:
             return None
         decay = self.node(add[1].args[0], "aten.mul.Tensor")
         q = self.node(add[1].args[1], "aten.div.Tensor")
-        if decay is None or q is None or decay[1].args[0] != Ref(p) or self.number(decay[1].args[1]) is None:
+        if decay is None or q is None or decay[1].args[0] != Ref(p):
+            return None
+        # the decay factor 1 - lr * wd: rsub(mul(lr, wd), 1)
+        factor = self.node(decay[1].args[1], "aten.rsub.Scalar")
+        lr_wd = self.node(factor[1].args[0], "aten.mul.Tensor") if factor and factor[1].args[1:] == (1,) else None
+        if lr_wd is None or self.lr(lr_wd[1].args[0]) is None or self.number(lr_wd[1].args[1]) is None:
             return None
         num = self.node(q[1].args[0], "aten.mul.Tensor")
         den = self.node(q[1].args[1], "aten.add.Tensor")
@@ -134,37 +144,22 @@ class _Matcher:
         b2_mul, lerp_w, sq_w = self.number(vb[1].args[1]), self.number(m2[1].args[2]), self.number(v2[1].kwargs["value"])
         if m is None or v is None or None in (b2_mul, lerp_w, sq_w):
             return None
-        # the step size: neg(mul(reciprocal(1 - b1 ** t), lr)); the second moment's correction: sqrt(1 - b2 ** t)
+        # the step size: neg(div(lr, 1 - b1 ** t)); the second moment's correction: sqrt(1 - b2 ** t)
         neg = self.node(num[1].args[0], "aten.neg.default")
-        step_lr = self.node(neg[1].args[0], "aten.mul.Tensor") if neg else None
-        recip = self.node(step_lr[1].args[0], "aten.reciprocal.default") if step_lr else None
-        bc1 = self.bias_power(recip[1].args[0]) if recip else None
+        step_lr = self.node(neg[1].args[0], "aten.div.Tensor") if neg else None
+        bc1 = self.bias_power(step_lr[1].args[1]) if step_lr else None
         sq_bc2 = self.node(scaled[1].args[1], "aten.sqrt.default")
         bc2 = self.bias_power(sq_bc2[1].args[0]) if sq_bc2 else None
-        lr = self.number(step_lr[1].args[1]) if step_lr else None
-        if bc1 is None or bc2 is None or lr is None or bc1[1] != bc2[1] or lr <= 0:
+        lr = self.lr(step_lr[1].args[0]) if step_lr else None
+        if bc1 is None or bc2 is None or lr is None or bc1[1] != bc2[1] or lr != self.lr(lr_wd[1].args[0]):
             return None
-        b1, b2, eps = bc1[0], bc2[0], self.number(den[1].args[1])
-        wd = _weight_decay(self.number(decay[1].args[1]), lr)
-        if lerp_w != 1 - b1 or sq_w != 1 - b2 or b2_mul != b2 or wd is None:
+        b1, b2, eps, wd = bc1[0], bc2[0], self.number(den[1].args[1]), self.number(lr_wd[1].args[1])
+        if lerp_w != 1 - b1 or sq_w != 1 - b2 or b2_mul != b2:
             return None
         m_new, v_new = m2[1].outputs[0], v2[1].outputs[0]
         own = frozenset({add[0], decay[0], q[0], num[0], den[0], scaled[0], root[0], v2[0], m2[0], vb[0]})
-        scalars = [neg[0], step_lr[0], recip[0], *bc1[2], sq_bc2[0], *bc2[2]]
+        scalars = [factor[0], lr_wd[0], neg[0], step_lr[0], *bc1[2], sq_bc2[0], *bc2[2]]
         return (_Update(p, g.name, m, v, p_new, m_new, v_new, own), _Hyper(lr, b1, b2, wd, eps, bc1[1]), scalars)
-
-
-def _weight_decay(factor: float | None, lr: float) -> float | None:
-    """The weight decay wd with ``1 - lr * wd == factor`` exactly (the template's multiplier),
-    written with the fewest digits (0.01, as the user gave it), or None."""
-    if factor is None:
-        return None
-    wd = (1 - factor) / lr
-    for digits in range(1, 18):
-        c = float(f"{wd:.{digits}g}")
-        if 1 - lr * c == factor:
-            return c
-    return None
 
 
 def _match_all(graph: Graph) -> tuple[list[_Update], _Hyper, set[int]] | None:
@@ -222,7 +217,7 @@ def _rewrite(graph: Graph, found: list[_Update], hyper: _Hyper, scalars: set[int
     fused = Node(outputs=outputs, op=FUSED_ADAMW,
                  args=([Ref(u.p) for u in found], [Ref(u.g) for u in found], [Ref(u.m) for u in found],
                        [Ref(u.v) for u in found], [], [step] * len(found)),
-                 kwargs=dict(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+                 kwargs=dict(lr=Ref(hyper.lr), beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
                              eps=hyper.eps, amsgrad=False, maximize=False),
                  types=[types[o] for o in outputs], role=Role.OPTIMIZER, stage=first.stage, memory=first.memory,
                  sbp=[sbp[o] for o in outputs] if all(o in sbp for o in outputs) else None,

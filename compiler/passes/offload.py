@@ -5,8 +5,8 @@ It is a placement, like a pipeline stage: this pass only says where each op and 
 from one memory to the other (``sbpc.to_host`` / ``sbpc.to_device``), as it derives every
 collective, and the runtime runs them like any other kernel. What moves, per parameter:
 
-- the optimizer state (``exp_avg``, ``exp_avg_sq``, the step counter, fp16's scaler state) is
-  host memory, and every optimizer op runs there;
+- the optimizer state (``exp_avg``, ``exp_avg_sq``, the step counter, fp16's scaler state) and
+  the learning rate input are host memory, and every optimizer op runs there;
 - the update reads a host copy of the parameter, a new optimizer state ``master:<param>``
   (ZeRO-Offload's fp32 master weights), never the device's, so a parameter does not travel to
   the host each step. It starts as a copy of the parameter; the update writes the new master,
@@ -62,7 +62,9 @@ def offload_optimizer(graph: Graph) -> Graph:
     master_of = {v: m.value for v, m in masters.items()}
     nodes = [replace(rename_uses(n, lambda u: master_of.get(u, u)), memory=MemoryKind.HOST)
              if n.role == Role.OPTIMIZER else n for n in graph.nodes]
-    inputs = [replace(i, memory=MemoryKind.HOST) if i.kind == InputKind.STATE else i for i in graph.inputs]
+    # the learning rate too: only the update reads it
+    inputs = [replace(i, memory=MemoryKind.HOST) if i.kind in (InputKind.STATE, InputKind.HYPER) else i
+              for i in graph.inputs]
     name_of = {p.value: p.name for p in graph.inputs_of(InputKind.PARAM)}
     outputs = list(graph.outputs) + [GraphOutput(OutputKind.UPDATE, updated[name_of[v]], m.name)
                                      for v, m in masters.items()]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from networkx.utils import UnionFind
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
-from sbpc.compiler.ir.types import Graph, Node, TensorType
+from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.ir.types import Graph, Node, Role, TensorType
 from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides
 
@@ -50,6 +51,9 @@ class Layouts:
                 self._memo[key] = self._all_signatures(k, rep)
             self.per_size[k] = self._memo[key]
         self.parts = self._strides()
+        # the micro-batch axis: an optimizer op runs once a step, so there it sees every value
+        # whole (a gradient accumulated over the micro-batches), never one micro-batch's part
+        self.sequential = frozenset(a for a, name in enumerate(graph.mesh.sbp_axes) if name == MICROBATCH)
 
     def _all_signatures(self, k: int, rep: list[int] | None) -> list[list[Signature]]:
         """Every node's 1-D signatures for axis size ``k``. A node of a layer class shares its
@@ -159,7 +163,9 @@ class Layouts:
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
+        once = Signature(tuple(Broadcast() for _ in n.uses()), tuple(Broadcast() for _ in n.outputs), "once a step")
         per_axis = [[_one_axis(self.fixed[a][index], a)] if a in self.fixed else
+                    [once] if a in self.sequential and k > 1 and n.role == Role.OPTIMIZER else
                     list({r.ins + r.outs: r for s in self.per_size[k][index] for r in self.with_strides(n, s)}.values())
                     for a, k in enumerate(self.sizes)]
         out = []

@@ -8,6 +8,12 @@ concatenates shards and copies replicas) and
     with eager's from the same parameters and batch;
   - runs torch.optim's step on the plan's gradients from S_t: the plan's new parameters and
     optimizer state are compared with torch's, from the same gradients and state.
+With ``--clip-grad`` the plan's global gradient norm is compared with torch's
+(``get_total_norm``) of the plan's gradients, and torch.optim's step runs on those gradients
+clipped by the plan's norm (``clip_grads_with_norm_``, clip_grad_norm_'s second half): the norm
+is a sum over every gradient entry that a sharded plan adds in another order, and Adam turns a
+coefficient a few ulps off into 1e-5 of the step (measured 7.4e-6 on gpt.py 1x2, from a norm
+1.4e-7 off), so the norm is judged as a reduction and the update as a function of it.
 Step t+1 starts from the plan's S_{t+1} again, so no deviation accumulates and none is
 amplified: Adam divides by a gradient's own magnitude, so a gradient that is zero in exact
 arithmetic (a key bias under softmax) makes two correct programs take opposite full-size steps
@@ -113,6 +119,8 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)  # how the verdict was reached, where it differs
     skipped_steps: int = 0  # fp16: steps whose gradients overflowed, skipped by plan and eager alike
     loss_scale: float | None = None  # fp16: the plan's scale after the last step
+    clip_grad: float | None = None  # --clip-grad: the max norm
+    clip_coefs: list[float] = field(default_factory=list)  # per step: clip_grad_norm_'s coefficient, clamped at 1
 
     @property
     def worst(self) -> tuple[float, str]:
@@ -140,6 +148,11 @@ class CheckReport:
         if self.loss_scale is not None:
             lines.append(f"fp16 loss scaling: {self.skipped_steps} of {len(self.rows) - 1} steps skipped "
                          f"(gradients overflowed), plan and eager alike; scale now {self.loss_scale:g}")
+        if self.clip_grad is not None:
+            clipped = sum(c < 1.0 for c in self.clip_coefs)
+            lines.append(f"gradient clipping at norm {self.clip_grad:g}: {clipped} of {len(self.clip_coefs)} steps "
+                         f"clipped (smallest coefficient {min(self.clip_coefs, default=1.0):.3g}); the plan's norm "
+                         f"is compared as a gradient")
         lines += [f"note: {n}" for n in self.notes]
         value, where = self.worst
         verdict = "PASS" if self.passed else "FAIL"
@@ -201,6 +214,8 @@ class Eager:
         # the plan's update is torch's fused AdamW kernel (plan.optimizer.fused): the same kernel here
         self.opt = optimizer.torch_optimizer([p for p in self.model.parameters() if p.requires_grad], fused=fused)
         self.kind = optimizer.kind
+        self.clip_grad = optimizer.clip_grad
+        self.norms: list[float] = []  # clip_grad_norm_'s total norm of each step it clipped
         self.precision = precision
         self.scaler = LossScaler(precision.loss_scaling) if precision.loss_scaling else None
 
@@ -245,6 +260,24 @@ class Eager:
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
             self.opt.state[p] = state
 
+    def clip(self, norm: float | None = None) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the gradients the step is about to use (nothing
+        without ``clip_grad``): its two halves, the total norm (which joins ``norms``) and the
+        scaling by a total norm, ``norm`` where given (the plan's: the update from the same
+        gradients and the same norm, see run_check), else its own."""
+        if self.clip_grad is None:
+            return
+        params = [p for p in self.named.values() if p.grad is not None]
+        own = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=False)
+        self.norms.append(float(own))
+        total = own if norm is None else torch.tensor(norm, dtype=own.dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, total, foreach=False)
+
+    def set_lr(self, lr: float) -> None:
+        """The next step's learning rate, as a schedule sets it."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         st = self.opt.state[self.named[name]]
         return {str(StateName(k, name)): st[k] for k in self._kinds() if k in st}
@@ -274,20 +307,29 @@ def _to_double(x):
     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
+def step_lr(lrs: tuple[float, ...] | None, step: int) -> float | None:
+    """The learning rate of ``step`` under ``--lr-schedule`` (the last one repeats); None: the
+    plan's compiled ``optimizer.lr``."""
+    return lrs[min(step, len(lrs) - 1)] if lrs else None
+
+
 def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer: OptimizerConfig, *,
-              steps: int, seed: int, tolerance: float, free_running: bool = False) -> CheckReport | None:
+              steps: int, seed: int, tolerance: float, free_running: bool = False,
+              lrs: tuple[float, ...] | None = None) -> CheckReport | None:
     """Every rank calls this (the gathers are collectives); rank 0, which alone needs ``source``,
-    runs eager PyTorch and returns the report, the others return None."""
+    runs eager PyTorch and returns the report, the others return None. ``lrs``: the learning
+    rate of each step (the last repeats), given to the plan as its step input and to torch.optim
+    as ``param_groups[i]["lr"]``, as a schedule sets it."""
     lead = runner.topology.rank == 0
     weights = runner.logical_weights()
     params, states = {n: weights[n] for n in (p.name for p in plan.params) if n in weights}, runner.logical_states()
     batches = BatchSource(plan, seed)
     if not lead:
         for step in range(steps):
-            runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True)
+            runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True, lr=step_lr(lrs, step))
             runner.logical_params(), runner.logical_states(), runner.replica_spread()
         return None
-    report = CheckReport(tolerance=tolerance)
+    report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
     eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
     eager_state = dict(eager.named) | dict(eager.model.named_buffers())
@@ -303,7 +345,8 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         free, report.free = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused), FreeRunning()
     for step in range(steps):
         batch = batches(step)
-        result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True)
+        lr = step_lr(lrs, step)
+        result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True, lr=lr)
         new_params, new_states, spreads = runner.logical_params(), runner.logical_states(), runner.replica_spread()
         row = StepRow(str(step), result.loss, None, Deviation(), Deviation(), Deviation())
         report.rows.append(row)
@@ -332,19 +375,29 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             row.grads.update(f"{name} (the plan returned none)", float("inf"))
         for name in sorted(set(params) - set(new_params)):
             row.update.update(f"{name} (the plan returned none)", float("inf"))
-        # the update from the plan's gradients and state S_t (backward changed neither)
+        # the update from the plan's gradients and state S_t (backward changed neither), at the step's lr
+        eager.set_lr(plan.optimizer.lr if lr is None else lr)
         skipped = False
         if eager.scaler is None:
             for name, p in eager.named.items():
                 p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
+            eager.clip(result.grad_norm)
             eager.opt.step()
         else:
-            skipped, scale_state = eager.scaler.step(eager.opt, eager.named, result.grads)
+            clip = (lambda: eager.clip(result.grad_norm)) if eager.clip_grad is not None else None
+            skipped, scale_state = eager.scaler.step(eager.opt, eager.named, result.grads, clip=clip)
             for sname, sref in scale_state.items():
                 row.update.update(sname, deviation(new_states[sname], sref, max(amax(sref), 1e-30)))
                 row.update.update(f"{sname} across ranks", spreads.get(sname, 0.0) / max(amax(sref), 1e-30))
             if skipped:
                 report.skipped_steps += 1
+        # the plan's norm of the gradients it returned against torch's of them: a sum over every
+        # gradient entry, judged as a gradient is; the update above clipped by the plan's norm
+        if eager.clip_grad is not None:
+            norm = eager.norms[-1]
+            got = float("nan") if result.grad_norm is None else result.grad_norm
+            row.grads.update("grad norm", deviation(torch.tensor(got), torch.tensor(norm), max(abs(norm), 1e-30)))
+            report.clip_coefs.append(min(1.0, eager.clip_grad / (norm + 1e-6)))
         for name, new in new_params.items():
             ref = eager.named[name].detach()
             row.update.update(name, update_deviation(new, ref, params[name]))
@@ -362,6 +415,8 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         if free is not None:
             report.free.losses_plan.append(result.loss)
             report.free.losses_eager.append(float(free.forward_backward(batch, step_seed(seed, step))))
+            free.set_lr(plan.optimizer.lr if lr is None else lr)
+            free.clip()
             free.opt.step()
     if free is not None:
         for name, p in params.items():
@@ -382,12 +437,12 @@ def check_worker(payload: dict) -> CheckReport | None:
     runner = make_runner(plan, make_backend(backend, comm, comm.topology), seed=payload["seed"])
     source = load_model(plan.model.path, dict(plan.model.sets)) if comm.topology.rank == 0 else None
     return run_check(plan, source, runner, payload["optimizer"], steps=payload["steps"], seed=payload["seed"],
-                     tolerance=payload["tolerance"], free_running=payload["free_running"])
+                     tolerance=payload["tolerance"], free_running=payload["free_running"], lrs=payload["lrs"])
 
 
 def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: int, tolerance: float,
                    timeout: float = 300, free_running: bool = False, ranks: str = "processes",
-                   backend: str = "cpu") -> CheckReport:
+                   backend: str = "cpu", lrs: tuple[float, ...] | None = None) -> CheckReport:
     """Run ``check_worker`` on one local process per device of the plan's mesh (gloo), or with
     ``ranks="threads"`` on one thread per device of this process (``runtime.threads``)."""
     import os
@@ -400,6 +455,6 @@ def check_on_ranks(plan: Plan, optimizer: OptimizerConfig, *, steps: int, seed: 
         path = os.path.join(tmp, "plan.json")
         save_plan(plan, path)
         payload = dict(plan=path, optimizer=optimizer, steps=steps, seed=seed, tolerance=tolerance, timeout=timeout,
-                       free_running=free_running, backend=backend)
+                       free_running=free_running, backend=backend, lrs=lrs)
         return launch(plan.world_size, "sbpc.compiler.tools.check:check_worker", payload, timeout=timeout,
                       ranks=ranks)[0]

@@ -38,16 +38,20 @@ class LossScaler:
         self.scaler.unscale_(opt)
 
     def step(self, opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
-             grads: dict[str, torch.Tensor]) -> tuple[bool, dict[str, torch.Tensor]]:
+             grads: dict[str, torch.Tensor], clip=None) -> tuple[bool, dict[str, torch.Tensor]]:
         """GradScaler.step and update on the plan's (unscaled) gradients: whether it skipped, and
         the new scale state. GradScaler decides on the gradients it unscales itself, so it is
         handed the plan's scaled back: exact, the scale being a power of two (2**16 times powers
-        of the growth and backoff factors 2 and 1/2)."""
+        of the growth and backoff factors 2 and 1/2). ``clip`` (a function of no arguments)
+        runs between ``unscale_`` and ``step``, where clip_grad_norm_ goes under GradScaler."""
         scaler = self._scaler()
         scale = float(self.state[LOSS_SCALE])
         for name, p in params.items():
             p.grad = grads[name].to(p.dtype) * scale if name in grads else None
         skipped = not all(bool(torch.isfinite(g).all()) for g in grads.values())  # GradScaler's own test
+        if clip is not None:
+            scaler.unscale_(opt)
+            clip()
         scaler.step(opt)
         scaler.update()
         st = scaler.state_dict()
