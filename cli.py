@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="compile a model in memory and train it (on --data, or synthetic batches)")
     _model_arguments(t)
     add_train_arguments(t)
-    t.set_defaults(fn=cmd_train)
+    t.set_defaults(fn=cmd_train, clip_grad=1.0)  # Megatron's default for a training run; --clip-grad inf: report only
     cp = sub.add_parser("corpus", help="build the offline corpus: the Python standard library's sources as byte tokens")
     cp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write stdlib-<version>.bin into")
     cp.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="cap on the corpus size in bytes "

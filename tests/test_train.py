@@ -168,7 +168,7 @@ def tiny_plan(tmp_path_factory):
     from sbpc.runtime.plan import save_plan
 
     plan = compile_model(load_model(TINY, {}), parse_mesh("2x1x2"), batch_size=B,
-                         optimizer=OptimizerConfig(lr=1e-2), pipeline=PipelineOptions(microbatches=2)).plan
+                         optimizer=OptimizerConfig(lr=1e-2, clip_grad=1.0), pipeline=PipelineOptions(microbatches=2)).plan
     path = tmp_path_factory.mktemp("plan") / "tiny.json"
     save_plan(plan, str(path))
     return plan, str(path)
@@ -238,18 +238,22 @@ def test_sbpc_run_on_the_corpus_lowers_the_loss_and_logs_megatrons_keys(tiny_pla
     _, path = tiny_plan
     metrics = tmp_path / "m.jsonl"
     assert main(["run", path, "--ranks", "threads", "--data", corpus, "--steps", "30", "--log-interval", "10",
+                 "--lr-warmup-steps", "5", "--lr-decay-steps", "30", "--min-lr", "1e-3",
                  "--metrics", str(metrics), "--timeout", "120"]) == 0
     out = capsys.readouterr().out
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [10, 20, 30]
     assert [x["consumed samples"] for x in lines] == [80, 160, 240]
+    schedule = LrSchedule(lr=1e-2, min_lr=1e-3, warmup_steps=5, decay_steps=30)
+    assert [x["learning rate"] for x in lines] == [schedule(9), schedule(19), schedule(29)]  # the step's own rate
+    assert all(x["grad norm"] > 0 for x in lines)  # the plan clips, so it reports the norm
     assert lines[-1]["lm loss"] < lines[0]["lm loss"] - 0.3 and lines[0]["lm loss"] < math.log(VOCAB), lines
     assert set(lines[0]) == {"iteration", "consumed samples", "elapsed time per iteration (ms)",
                              "throughput per device (TFLOP/s/device)", "learning rate", "global batch size", "lm loss",
                              "loss scale", "grad norm", "number of skipped iterations", "number of nan iterations"}
     logged = re.findall(r"^ iteration +(\d+)/ +30 \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): "
                         r"[\d.]+ \| throughput per device \(TFLOP/s/device\): \S+ \| learning rate: \S+ \| "
-                        r"global batch size: +8 \| lm loss: (\S+) \| loss scale: 1\.0 \| grad norm: \S+ \| "
+                        r"global batch size: +8 \| lm loss: (\S+) \| loss scale: 1\.0 \| grad norm: [\d.]+ \| "
                         r"number of skipped iterations: +0 \| number of nan iterations: +0 \|$", out, re.M)
     assert [(int(i), float(loss)) for i, _, loss in logged] == [(x["iteration"], pytest.approx(x["lm loss"], rel=1e-6))
                                                                 for x in lines]
