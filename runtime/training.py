@@ -3,7 +3,6 @@ the log on rank 0. Every rank runs it (the step's collectives and the memory gat
 """
 from __future__ import annotations
 
-import inspect
 import math
 import resource
 import sys
@@ -13,7 +12,6 @@ from typing import IO
 
 import torch
 
-from sbpc.errors import UsageError
 from sbpc.runtime.checkpoint import Checkpointer, TrainState
 from sbpc.runtime.data import Batches
 from sbpc.runtime.flops import step_flops
@@ -41,24 +39,8 @@ class TrainResult:
     logs: list[StepLog]
 
 
-def takes_lr(runner: Runner) -> bool:
-    """Whether the runner sets the learning rate per step (plans with an lr input)."""
-    return "lr" in inspect.signature(runner.step).parameters
-
-
-def check_schedule(runner: Runner, schedule: LrSchedule) -> None:
-    """A schedule other than the plan's constant compiled rate needs a plan that takes the rate
-    per step; refuse it rather than train at another rate than asked."""
-    constant = not schedule.warmup_steps and not schedule.decay_steps and schedule.lr == runner.plan.optimizer.lr
-    if not constant and not takes_lr(runner):
-        raise UsageError("this plan takes no per-step learning rate, so --lr, warmup and decay cannot apply",
-                         hint="recompile the plan with this sbpc, or drop the schedule flags")
-
-
 def train_loop(runner: Runner, batches: Batches, options: TrainOptions, out: IO[str] | None) -> TrainResult:
     plan, comm = runner.plan, runner.backend.communicator
-    check_schedule(runner, options.schedule)
-    per_step = takes_lr(runner)
     flops = step_flops(plan)
     log = TrainLog(options.log, options.steps, out, start=options.start)
     losses, logs = [], []
@@ -68,10 +50,9 @@ def train_loop(runner: Runner, batches: Batches, options: TrainOptions, out: IO[
     try:
         for step in range(options.start, options.steps):
             lr = options.schedule(step)
-            kw = {"lr": lr} if per_step else {}
-            result = runner.step(batches.next(), rng_seed=step_seed(options.seed, step), **kw)
+            result = runner.step(batches.next(), rng_seed=step_seed(options.seed, step), lr=lr)
             losses.append(result.loss)
-            norm = getattr(result, "grad_norm", None)
+            norm = result.grad_norm
             nan += not math.isfinite(result.loss) or (norm is not None and not math.isfinite(norm))
             since += 1
             log.advance(step + 1, result.loss)
@@ -82,7 +63,7 @@ def train_loop(runner: Runner, batches: Batches, options: TrainOptions, out: IO[
                 skipped = _skipped(runner)
                 entry = StepLog(iteration=done, steps=options.steps, consumed=done * plan.model.batch_size,
                                 elapsed_ms=seconds * 1e3, tflops=flops / seconds / plan.world_size / 1e12,
-                                lr=lr if per_step else plan.optimizer.lr, batch=plan.model.batch_size,
+                                lr=lr, batch=plan.model.batch_size,
                                 loss=result.loss, loss_scale=_loss_scale(runner), grad_norm=norm,
                                 skipped=skipped - skipped_before, nan=nan)
                 log.step(entry)
