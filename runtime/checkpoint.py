@@ -28,142 +28,19 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import zlib
 from dataclasses import dataclass
-from itertools import product
 from typing import Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from sbpc.errors import CheckpointError, OutputError
+from sbpc.runtime.checkpoint_index import (SCHEMA_VERSION, INDEX, LATEST, STEP_DIR, RNG_KEY, CUDA_RNG_KEY, Region, Shard, TensorEntry, FileEntry, TrainState, Index, shard_regions, volume)
 from sbpc.runtime.files import check_output_dir, write_atomic
-from sbpc.runtime.plan import MeshAxis, ModelRef, Plan, TensorSpec, first_problem
+from sbpc.runtime.plan import MeshAxis, Plan, TensorSpec, first_problem
 from sbpc.runtime.sbp import NdSbp, Partial, Split
-
-SCHEMA_VERSION = 1
-INDEX = "index.json"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_RNG_KEY = "rng.torch"  # a rank's torch CPU generator state (uint8), in the rank's own file
-_CUDA_RNG_KEY = "rng.cuda"
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Region(_Model):
-    """One box of a stored shard: ``offset``/``length`` per dim in the logical tensor, ``at``
-    per dim where the box starts inside the stored tensor."""
-    offset: list[int]
-    length: list[int]
-    at: list[int]
-
-
-class Shard(_Model):
-    file: str  # relative to the checkpoint directory
-    key: str  # the tensor's key in that safetensors file
-    regions: list[Region]
-    crc32: int  # of the stored tensor's bytes; checked wherever a rank reads it whole
-
-
-class TensorEntry(_Model):
-    kind: Literal["param", "buffer", "state"]
-    shape: list[int]  # logical (a ZeRO-padded state: its parameter's shape)
-    dtype: str  # torch dtype name
-    sbp: list[str]  # the writer's nd-SBP, for messages only: a reader never needs it
-    init: str | None = None  # states: "param" marks a copy of its parameter (offload's master copy)
-    shards: list[Shard]
-
-
-class FileEntry(_Model):
-    rank: int
-    bytes: int  # a truncated shard file is caught by its size before it is opened
-    rng: dict[str, int] = Field(default_factory=dict)  # the rank's RNG states in it: key -> crc32
-
-
-class TrainState(_Model):
-    """What the training loop resumes besides the tensors: ``step`` steps are done."""
-    step: int
-    seed: int
-    data: dict | None = None  # the data loader's position (``loader.state()``)
-    schedule: dict | None = None  # the LR schedule's state
-
-
-class Index(_Model):
-    schema_version: int = SCHEMA_VERSION
-    sbpc_version: str
-    model: ModelRef  # the writer plan's model, for messages
-    mesh: list[MeshAxis]  # the writer's mesh, for messages
-    train: TrainState
-    files: dict[str, FileEntry]
-    tensors: dict[str, TensorEntry]
-
-
-# ----- regions: which part of a logical tensor a rank's shard holds
-
-Interval = tuple[int, int, int]  # (logical offset, length, offset inside the local tensor)
-
-
-def _take(ivs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
-    """The logical pieces of local positions [start, start + length) of a dim whose local
-    positions are the intervals ``ivs`` laid end to end."""
-    out, pos = [], 0
-    for off, n in ivs:
-        lo, hi = max(start, pos), min(start + length, pos + n)
-        if lo < hi:
-            out.append((off + lo - pos, hi - lo))
-        pos += n
-    return out
-
-
-def _merge(ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for off, n in ivs:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
-
-
-def dim_intervals(n: int, dim: int, nd: NdSbp, coords: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The logical intervals, in local order, of dim ``dim`` (length ``n``) that the device at
-    ``coords`` holds under ``nd``: ``sharding.take_chunk`` applied axis by axis, as
-    ``local_shard`` applies it, on index intervals instead of data."""
-    ivs = [(0, n)]
-    for s, index, size in zip(nd, coords, sizes):
-        if not isinstance(s, Split) or s.dim != dim or size == 1:
-            continue
-        block = sum(k for _, k in ivs) // s.parts
-        chunk = block // size
-        ivs = _merge([piece for p in range(s.parts) for piece in _take(ivs, p * block + index * chunk, chunk)])
-    return ivs
-
-
-def shard_regions(shape: list[int], logical: list[int], nd: NdSbp, coords: tuple[int, ...],
-                  sizes: tuple[int, ...]) -> list[Region]:
-    """The boxes of logical tensor ``logical`` that a device's shard of the (maybe padded)
-    tensor ``shape`` holds, each with where it sits in the shard. Padding is cut off."""
-    per_dim: list[list[Interval]] = []
-    for d, n in enumerate(shape):
-        local, pos = [], 0
-        for off, k in dim_intervals(n, d, nd, coords, sizes):
-            end = min(off + k, logical[d])
-            if off < end:
-                local.append((off, end - off, pos))
-            pos += k
-        per_dim.append(local)
-    return [Region(offset=[i[0] for i in box], length=[i[1] for i in box], at=[i[2] for i in box])
-            for box in product(*per_dim)]
-
-
-def _volume(r: Region) -> int:
-    return math.prod(r.length)
-
 
 # ----- what a rank holds
 
@@ -270,9 +147,9 @@ def _write_rank(runner, tmp: str) -> tuple[FileEntry, dict[str, TensorEntry]]:
 
     rank = runner.backend.communicator.rank
     fname = f"rank{rank:05d}.safetensors"
-    tensors: dict[str, torch.Tensor] = {_RNG_KEY: torch.get_rng_state()}
+    tensors: dict[str, torch.Tensor] = {RNG_KEY: torch.get_rng_state()}
     if torch.cuda.is_available() and runner.backend.device.type == "cuda":
-        tensors[_CUDA_RNG_KEY] = torch.cuda.get_rng_state(runner.backend.device)
+        tensors[CUDA_RNG_KEY] = torch.cuda.get_rng_state(runner.backend.device)
     entries: dict[str, TensorEntry] = {}
     for name, held in runner.checkpoint_tensors().items():
         nd = runner.spec_sbp[name]
@@ -289,7 +166,7 @@ def _write_rank(runner, tmp: str) -> tuple[FileEntry, dict[str, TensorEntry]]:
                                     init=getattr(held.spec, "init", None), shards=shards)
     path = os.path.join(tmp, fname)
     save_file(tensors, path, metadata={"rank": str(rank)})
-    rng = {k: _tensor_crc(tensors[k]) for k in (_RNG_KEY, _CUDA_RNG_KEY) if k in tensors}
+    rng = {k: _tensor_crc(tensors[k]) for k in (RNG_KEY, CUDA_RNG_KEY) if k in tensors}
     return FileEntry(rank=rank, bytes=os.path.getsize(path), rng=rng), entries
 
 
@@ -309,7 +186,7 @@ def _write_index(plan: Plan, train: TrainState, parts: list, tmp: str) -> None:
         raise CheckpointError(f"checkpoint of step {train.step}: no rank wrote {missing[0]}",
                               hint="this is a bug in sbpc; report it")
     for name, e in tensors.items():
-        stored = sum(_volume(r) for s in e.shards for r in s.regions)
+        stored = sum(volume(r) for s in e.shards for r in s.regions)
         if stored != math.prod(e.shape):
             raise CheckpointError(f"checkpoint of step {train.step}: the ranks stored {stored} of the "
                                   f"{math.prod(e.shape)} elements of {name}", hint="this is a bug in sbpc; report it")
@@ -335,7 +212,7 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     """(step, directory name) of every committed checkpoint under ``root``."""
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR.match(name)
         if m and os.path.isfile(os.path.join(root, name, INDEX)):
             out.append((int(m.group(1)), name))
     return out
@@ -358,7 +235,7 @@ def resolve(path: str) -> str:
     if os.path.isfile(latest):
         with open(latest) as f:
             name = f.read().strip()
-        if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, name, INDEX)):
+        if STEP_DIR.match(name) and os.path.isfile(os.path.join(path, name, INDEX)):
             return os.path.join(path, name)
     done = complete_checkpoints(path)
     if not done:
@@ -524,8 +401,8 @@ def read_regions(reader: _Reader, entry: TensorEntry, want: list[Region], out: t
                 value = reader.read(shard, None if whole else src)
                 out[dst] = value.to(out.dtype)
                 covered += math.prod(n)
-        if covered != _volume(region):
-            raise CheckpointError(f"checkpoint {reader.directory}: its shards hold {covered} of the {_volume(region)} "
+        if covered != volume(region):
+            raise CheckpointError(f"checkpoint {reader.directory}: its shards hold {covered} of the {volume(region)} "
                                   f"elements of {name} this rank needs", hint="the index is corrupt or was edited")
 
 
@@ -555,10 +432,10 @@ def load_into(runner, path: str) -> TrainState:
         mine = f"rank{runner.backend.communicator.rank:05d}.safetensors"
         if mine in index.files:
             rng = reader.rng(mine, index.files[mine])
-            if _RNG_KEY in rng:
-                torch.set_rng_state(rng[_RNG_KEY])
-            if _CUDA_RNG_KEY in rng and runner.backend.device.type == "cuda":
-                torch.cuda.set_rng_state(rng[_CUDA_RNG_KEY], runner.backend.device)
+            if RNG_KEY in rng:
+                torch.set_rng_state(rng[RNG_KEY])
+            if CUDA_RNG_KEY in rng and runner.backend.device.type == "cuda":
+                torch.cuda.set_rng_state(rng[CUDA_RNG_KEY], runner.backend.device)
     runner.steps = index.train.step
     return index.train
 

@@ -27,7 +27,8 @@ from sbpc.compiler.ir.mesh import parse_mesh
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.passes import PipelineOptions
 from sbpc.errors import OutputError
-from sbpc.runtime.checkpoint import INDEX, LATEST, logical_tensors, shard_regions
+from sbpc.runtime.checkpoint import logical_tensors
+from sbpc.runtime.checkpoint_index import INDEX, LATEST, shard_regions
 from sbpc.runtime.kinds import Precision
 from sbpc.runtime.launch import launch
 from sbpc.runtime.plan import save_plan
