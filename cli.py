@@ -11,125 +11,13 @@ from sbpc.errors import UsageError, guarded_main
 from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, run_command,
                               schedule_of)
 from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
-from sbpc.runtime.kinds import Precision, Recompute, ScheduleName
-
-
-def _model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model file defining build_model(**kw) and example_batch(batch_size, **kw)")
-    p.add_argument("--mesh", default="1", help="device mesh: 4x8x4 (dp x tp x pp) or dp=2,tp=2 (default 1)")
-    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
-                   help="keyword argument for build_model and example_batch (repeatable)")
-    p.add_argument("--batch-size", type=int, help="global batch size (default 4, or dp x micro-batches when 4 "
-                                                    "does not divide over them)")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
-    p.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
-                   help="clip the gradients by their global norm over all shards and stages to MAX_NORM "
-                        "(torch.nn.utils.clip_grad_norm_); the step reports the norm (default: no clipping)")
-    p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
-    p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
-    p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
-    p.add_argument("--allow-replicated", action="store_true",
-                   help="accept a mesh axis on which no tensor is split (its devices all do the same work)")
-    p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp, or the config's)")
-    p.add_argument("--schedule", choices=[s.value for s in ScheduleName], help="pipeline schedule (default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
-                                                      "2 with --schedule interleaved)")
-    m = p.add_argument_group("memory (flags win over the config's [memory] table)")
-    m.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage on dp: 1 optimizer state, 2 also "
-                                                                  "gradients, 3 also parameters sharded (default 0)")
-    m.add_argument("--recompute", choices=[r.value for r in Recompute], help="activation recompute (default none)")
-    m.add_argument("--precision", choices=[x.value for x in Precision], help="compute precision; master weights and "
-                                                                            "optimizer state stay fp32 (default fp32)")
-    m.add_argument("--offload", choices=["none", "optimizer"], help="optimizer state and update on the host")
-    m.add_argument("--device-memory", metavar="BYTES", help="memory per device, e.g. 80GB: a plan that does not fit "
-                                                            "is refused")
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Refuse paths that cannot be written before the compile, not after it."""
-    from sbpc.runtime.files import check_output_dir, check_output_path
-
-    for flag, what in (("output", "plan"), ("trace", "simulated trace")):
-        if getattr(args, flag, None) is not None:
-            check_output_path(getattr(args, flag), f"{what} (--{flag})")
-    if args.dump_dir:
-        check_output_dir(args.dump_dir, "IR dumps (--dump-dir)")
-
-
-def _compile(args: argparse.Namespace, enforce_budget: bool = True):
-    from sbpc.compiler.driver import compile_model
-    from sbpc.compiler.frontend.hints import load_config
-    from sbpc.compiler.ir.mesh import parse_mesh
-    from sbpc.compiler.frontend.model_loader import load_model, parse_sets
-    from sbpc.compiler.frontend.optim import OptimizerConfig
-    from sbpc.compiler.pass_manager import CompileContext
-
-    _check_outputs(args)
-    mesh = parse_mesh(args.mesh)
-    source = load_model(args.model, parse_sets(args.sets))
-    if args.clip_grad is not None and not args.clip_grad > 0:
-        raise UsageError(f"--clip-grad {args.clip_grad} must be a norm > 0", hint="e.g. --clip-grad 1.0, Megatron's default")
-    optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum,
-                                clip_grad=args.clip_grad)
-    ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
-                         dump_dir=args.dump_dir, allow_replicated=args.allow_replicated)
-    config = load_config(args.config) if args.config else None
-    pipeline = pipeline_options(args, mesh, config)
-    if args.batch_size is None:
-        rows = mesh.size("dp") * pipeline.microbatches
-        args.batch_size = 4 if 4 % rows == 0 else rows
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size} must be at least 1",
-                         hint="the global batch size, a multiple of dp x micro-batches")
-    result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
-                           pipeline=pipeline, memory=memory_options_of(args, config), enforce_budget=enforce_budget)
-    return result, source, optimizer
-
-
-def memory_options_of(args, config):
-    """Flags win over the config's ``[memory]`` table, which wins over the defaults."""
-    from sbpc.compiler.memory_options import MEMORY_FLAGS, memory_options
-
-    table = config.memory if config is not None else {}
-    given = {key: getattr(args, key) if getattr(args, key) is not None else table.get(key) for key in MEMORY_FLAGS}
-    where = config.memory_source if config is not None and any(getattr(args, k) is None and k in table
-                                                               for k in MEMORY_FLAGS) else ""
-    return memory_options(**given, where=where)
-
-
-def pipeline_options(args, mesh, config):
-    """Flags win over the config's ``[pipeline]`` table, which wins over the defaults."""
-    from sbpc.compiler.passes import PipelineOptions
-
-    table = config.pipeline if config is not None else None
-    pick = lambda flag, key: flag if flag is not None else getattr(table, key, None)
-    schedule = ScheduleName(pick(args.schedule, "schedule") or ScheduleName.ONE_F_ONE_B)
-    virtual = pick(args.virtual_stages, "virtual_stages")
-    virtual = virtual if virtual is not None else (2 if schedule == ScheduleName.INTERLEAVED else 1)
-    pp = mesh.size("pp")
-    m = pick(args.microbatches, "microbatches")
-    m = m if m is not None else pp
-    if m < 1:
-        raise UsageError(f"--microbatches {m} must be at least 1", hint=f"use --microbatches {max(pp, 1)} or more")
-    if virtual < 1:
-        raise UsageError(f"--virtual-stages {virtual} must be at least 1", hint="1 (no interleaving) or more")
-    if virtual > 1 and schedule != ScheduleName.INTERLEAVED:
-        raise UsageError(f"--virtual-stages {virtual} needs --schedule interleaved",
-                         hint="virtual stages are chunks of the interleaved 1F1B schedule")
-    if schedule == ScheduleName.INTERLEAVED and m % pp:
-        raise UsageError(f"the interleaved schedule needs micro-batches in groups of pp: {m} is not a multiple of {pp}",
-                         hint=f"use --microbatches {pp * max(1, m // pp)}")
-    return PipelineOptions(schedule=schedule, virtual_stages=virtual, microbatches=m)
+from sbpc.compiler.tools.compile_flags import add_model_arguments, compile_from_args, memory_options_of
 
 
 def cmd_compile(args) -> int:
     from sbpc.runtime.plan import save_plan
 
-    result, _, _ = _compile(args)
+    result, _, _ = compile_from_args(args)
     save_plan(result.plan, args.output)
     est, t = result.plan.estimates, result.timings
     print(f"compiled {args.model} for mesh {args.mesh}: {est.instructions} instructions, "
@@ -150,7 +38,7 @@ def cmd_memory(args) -> int:
     from sbpc.compiler.frontend.hints import load_config
     from sbpc.compiler.tools.memory_report import memory_json, memory_table
 
-    result, _, _ = _compile(args, enforce_budget=False)
+    result, _, _ = compile_from_args(args, enforce_budget=False)
     budget = memory_options_of(args, load_config(args.config) if args.config else None).device_memory
     if args.output is not None:
         from sbpc.runtime.plan import save_plan
@@ -253,7 +141,7 @@ def cmd_check(args) -> int:
         raise UsageError(f"--ranks threads runs on the cpu backend only, not {args.backend}",
                          hint=f"use --ranks processes (one process per GPU) with --backend {args.backend}")
     check_backend(args.backend, 1)  # a GPU at all, before the compile
-    result, source, optimizer = _compile(args)
+    result, source, optimizer = compile_from_args(args)
     check_backend(args.backend, result.plan.world_size, result.plan)
     if result.plan.world_size > 1:
         report = check_on_ranks(result.plan, optimizer, steps=args.steps, seed=args.seed, tolerance=args.tolerance,
@@ -276,7 +164,7 @@ def cmd_train(args) -> int:
 
     check_training_flags(args)  # before the compile: its minute is not spent on a typo
     schedule_of(args, args.lr)
-    result, _, _ = _compile(args)
+    result, _, _ = compile_from_args(args)
     est, t = result.plan.estimates, result.timings
     print(f"compiled {args.model} for mesh {args.mesh}: {est.param_count:,} parameters, {est.instructions} instructions "
           f"in {t['total']:.1f}s; training {args.steps} steps", flush=True)
@@ -402,12 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="sbpc", description="Compile single-device PyTorch training into a distributed plan.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="compile a model file into a plan")
-    _model_arguments(c)
+    add_model_arguments(c)
     c.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     c.add_argument("--trace", metavar="FILE", help="write the pipeline's simulated timeline (unit cost; Chrome/Perfetto JSON)")
     c.set_defaults(fn=cmd_compile)
     mm = sub.add_parser("memory", help="estimate the memory of every rank role (pp stage) before launch")
-    _model_arguments(mm)
+    add_model_arguments(mm)
     mm.add_argument("--json", action="store_true", help="print a JSON list: role, params, grads, optimizer, activations, "
                                                        "buffers, temporaries, total (bytes per device) and fits")
     mm.add_argument("-o", "--output", help="also write the plan")
@@ -439,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
     t = sub.add_parser("train", help="compile a model in memory and train it (on --data, or synthetic batches)")
-    _model_arguments(t)
+    add_model_arguments(t)
     add_train_arguments(t)
     t.set_defaults(fn=cmd_train, clip_grad=1.0)  # Megatron's default for a training run; --clip-grad inf: report only
     cp = sub.add_parser("corpus", help="build the offline corpus: the Python standard library's sources as byte tokens")
@@ -460,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--backend", default="cpu", help="the ranks' backend: cpu (gloo, default) or cuda (one GPU per rank)")
     la.set_defaults(fn=cmd_launch)
     k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
-    _model_arguments(k)
+    add_model_arguments(k)
     k.add_argument("--steps", type=int, default=3)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--tolerance", type=float, default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from sbpc.cli import pipeline_options
+from sbpc.compiler.tools.compile_flags import pipeline_options
 from sbpc.compiler.driver import compile_model
 from sbpc.compiler.frontend.hints import load_config
 from sbpc.compiler.frontend.model_loader import load_model
