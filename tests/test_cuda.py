@@ -62,10 +62,10 @@ def test_sbpc_run_console_script_refuses_cuda_too(mlp_plan, capsys):
 def test_sbpc_check_backend_cuda_is_refused_before_compiling(capsys, monkeypatch):
     import sbpc.cli as cli
 
-    def no_compile(args):
+    def no_compile(args, **kw):
         raise AssertionError("compiled before refusing")
 
-    monkeypatch.setattr(cli, "_compile", no_compile)
+    monkeypatch.setattr(cli, "compile_from_args", no_compile)
     assert cli.main(["check", "examples/mlp.py", "--backend", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--backend cuda needs an NVIDIA GPU" in err[0]
@@ -89,7 +89,7 @@ def test_unknown_backend_names_the_known_ones():
 def test_sbpc_check_refuses_rank_threads_on_cuda(capsys, monkeypatch):
     import sbpc.cli as cli
 
-    monkeypatch.setattr(cli, "_compile", lambda args: pytest.fail("compiled before refusing"))
+    monkeypatch.setattr(cli, "compile_from_args", lambda args, **kw: pytest.fail("compiled before refusing"))
     assert cli.main(["check", "examples/mlp.py", "--backend", "cuda", "--ranks", "threads"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ranks threads runs on the cpu backend only, not cuda" in err[0]
