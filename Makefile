@@ -33,9 +33,9 @@ test: setup
 test-sweep: setup
 	$(PY) -m pytest -q -m sweep tests/test_opdb.py
 
+# Every side-by-side bench, ending with one `ratio=` line per script (bench/run_all.sh).
 bench: setup
-	$(PY) bench/compile_bench.py
-	$(PY) bench/run_vs_eager.py
+	PYTHON=$(PY) sh bench/run_all.sh
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -10,8 +10,11 @@ the 1T model on 6x8x64 (dp 6, tp 8, pp 64, so 64 micro-batches and a batch of 38
 layers, ~27k ops to place on three SBP axes. It must stay within the limits in ``LIMITS``
 (wall s, peak RSS MB, plan MB), which the table checks.
 
-    .venv/bin/python bench/compile_bench.py            # tiny 1.3b 1t 1t@6x8x64
-    .venv/bin/python bench/compile_bench.py small 175b@2x8
+    .venv/bin/python bench/compile_bench.py            # tiny 1.3b 1t 1t@6x8x64, then 1.3b at 24 and 48 layers
+    .venv/bin/python bench/compile_bench.py small 175b@2x8 --depth small@1x2
+
+It ends with ``ratio=`` the compiler time of the ``--depth`` preset at twice its layers over
+its time at its own layer count: 1.0 would be a compile that does not grow with depth.
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ def sbpc_command() -> str:
     return found
 
 
-def compile_once(preset: str, model: str, mesh: str, outdir: str, timeout: float = 1800) -> dict:
+def compile_once(preset: str, model: str, mesh: str, outdir: str, timeout: float = 1800, layers: int | None = None) -> dict:
     """Run one compile in a fresh process; return its wall time, peak RSS and plan figures.
     A compile still running after ``timeout`` seconds is killed, and the bench fails."""
-    plan_path = os.path.join(outdir, f"{preset}-{mesh}.json")
+    plan_path = os.path.join(outdir, f"{preset}-{layers}-{mesh}.json")
     cmd = [sbpc_command(), "compile", model, "--set", f"preset={preset}", "--mesh", mesh, "-o", plan_path]
+    if layers is not None:
+        cmd += ["--set", f"layers={layers}"]
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -64,7 +69,7 @@ def compile_once(preset: str, model: str, mesh: str, outdir: str, timeout: float
         estimates = json.load(f)["estimates"]
     total = re.search(r"total ([0-9.]+)s", output)
     return {
-        "preset": preset,
+        "preset": preset if layers is None else f"{preset}/L{layers}",
         "mesh": mesh,
         "wall_s": wall,
         "sbpc_total_s": float(total.group(1)) if total else float("nan"),
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default="1", help="the mesh of a run that names none")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one compile may take (default 1800)")
+    p.add_argument("--depth", default="1.3b@1", metavar="PRESET@MESH",
+                   help="the depth check: this preset compiled with its layers and with twice as many "
+                        "(default 1.3b@1); ratio= is the second's compiler time over the first's")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sbpc-compile-bench-") as outdir:
@@ -108,12 +116,30 @@ def main(argv: list[str] | None = None) -> int:
             preset, _, mesh = run.partition("@")
             rows.append(compile_once(preset, args.model, mesh or args.mesh, outdir, args.timeout))
             print(f"compiled {run}: {rows[-1]['wall_s']:.1f}s", file=sys.stderr, flush=True)
+        preset, _, mesh = args.depth.partition("@")
+        layers = preset_layers(args.model, preset)
+        depth = [compile_once(preset, args.model, mesh or args.mesh, outdir, args.timeout, layers=n)
+                 for n in (layers, 2 * layers)]
     print(f"sbpc compile {args.model} --set preset=P --mesh M (one fresh process per run)")
-    print_table(rows)
+    print_table(rows + depth)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(rows + depth, f, indent=2)
+    # Compile time should not grow with the number of identical layers (issue 12 asks < 1.2 for 2x the depth).
+    print(f"depth: {preset} with {layers} layers {depth[0]['sbpc_total_s']:.1f}s, with {2 * layers} "
+          f"{depth[1]['sbpc_total_s']:.1f}s of compiler time")
+    print(f"ratio={depth[1]['sbpc_total_s'] / depth[0]['sbpc_total_s']:.2f}")
     return 0
+
+
+def preset_layers(model: str, preset: str) -> int:
+    """The layer count of a gpt.py preset (its PRESETS table)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_model", os.path.join(REPO, model))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PRESETS[preset]["layers"]
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def main() -> None:
     args = p.parse_args()
     optimizer = OptimizerConfig()
     print(f"{'case':>10}  {'compile s':>9}  {'processes s':>11}  {'threads s':>9}  {'ratio':>5}  same report")
+    ratios = []
     for case in args.cases:
         mesh_text, _, m = case.partition("/")
         mesh = parse_mesh(mesh_text)
@@ -52,8 +53,10 @@ def main() -> None:
                 times[ranks].append(time.perf_counter() - start)
                 tables[ranks] = report.table()
         proc, thr = statistics.median(times["processes"]), statistics.median(times["threads"])
+        ratios.append(proc / thr)
         print(f"{case:>10}  {compile_s:9.1f}  {proc:11.1f}  {thr:9.1f}  {proc / thr:5.1f}  "
               f"{'yes' if tables['processes'] == tables['threads'] else 'no'}", flush=True)
+    print(f"ratio={min(ratios):.2f}")  # processes / threads wall time, the case threads gain least on
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
 #!/bin/sh
-# All benchmarks with their defaults (about 6-9 minutes on a 2-core box).
-# `make bench` runs the first two: .venv/bin/python bench/compile_bench.py && .venv/bin/python bench/run_vs_eager.py
-# The last two spawn 2 ranks over gloo: the plan on mesh 2x1 vs torch DDP, and on mesh 1x2 vs DTensor TP.
+# Every side-by-side benchmark with its defaults (about 10-15 minutes on a 2-core box), then one
+# line per script: `<script> ratio=<its worst config>`. `make bench` runs this.
+# compile_bench compiles the 1T preset for 6x8x64 (minutes); calibration.py and memory_vs_estimate.py
+# are run on their own (bench/README.md).
 set -e
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-"$PY" bench/compile_bench.py "$@"
-"$PY" bench/run_vs_eager.py
-"$PY" bench/dp_vs_ddp.py
-"$PY" bench/tp_vs_dtensor.py
-"$PY" bench/pp_vs_pipelining.py
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+for script in compile_bench run_vs_eager dp_vs_ddp tp_vs_dtensor pp_vs_pipelining; do
+    echo "== bench/$script.py"
+    "$PY" "bench/$script.py" | tee "$LOGS/$script.log"
+done
+echo "== ratios (bench/README.md says what each compares)"
+for script in compile_bench run_vs_eager dp_vs_ddp tp_vs_dtensor pp_vs_pipelining; do
+    echo "$script $(grep '^ratio=' "$LOGS/$script.log" | tail -1)"
+done

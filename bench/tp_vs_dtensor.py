@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += compare_sides(name, batch, res, "dtensor")
     print_table(rows, "dtensor")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print(f"ratio={min(r[5] for r in rows if r[2] == 'plan'):.2f}")  # plan/DTensor steps/s, the worst config
     return 0
 
 
