@@ -386,31 +386,35 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     profiles: dict[tuple, _TaskProfile] = {}
     started: set[int] = set()
     peak = _Peak()
+    # the parameters and states are held through every task: their bytes are summed once, and
+    # each task sums only what it holds besides them (a stage of a 1T model holds ~10k of them)
+    fixed_bytes, fixed_terms = _nbytes(store, persistent_keys), _by_term(store, persistent_keys)
     for k, task in enumerate(order):
         body = mine[task.key]
         mb = task.mb
         here = env[mb] if mb is not None else step_env
-        once = persistent_keys | step_env | accs
-        key = lambda v: (store.root[v], None) if (store.root[v], None) in once else (store.root[v], mb)  # noqa: E731
+        step_once = step_env | accs  # as they stand before this task (a snapshot: both grow below)
+        once = lambda x: x in persistent_keys or x in step_once  # noqa: E731
+        key = lambda v: (store.root[v], None) if once((store.root[v], None)) else (store.root[v], mb)  # noqa: E731
         here |= {key(it.outs[0]) for it in body.recvs}
-        kept = persistent_keys | step_env | accs | set().union(*env)
+        kept = (step_env | accs | set().union(*env)) - persistent_keys  # besides the persistent ones
         # the runner posts the next task's receives from other stages before this one runs
         # (gloo irecv into a buffer of its own): they are live during it
         nxt = order[k + 1] if k + 1 < len(order) else None
         ahead = {(store.root[it.outs[0]], nxt.mb) for it in mine[nxt.key].recvs if it.src % pp != stage} if nxt else set()
-        held = kept | pending | ahead
+        flying = (pending | ahead) - persistent_keys - kept
         if task.key not in profiles:
-            visible = {r for r, j in held if j is None or j == mb or mb is None}
+            visible = {r for r, j in persistent_keys | kept | flying if j is None or j == mb or mb is None}
             kernels = [(it.index, nodes[it.index]) for it in body.kernels]
             profiles[task.key] = _task_profile(store, kernels, set(body.outputs), visible, unread_die_at_birth=False)
         prof = profiles[task.key]
         if mb is not None and task.phase == "fwd":
             started.add(mb)
         in_flight = len(started)  # forwards run whose micro-batch is not done on this stage
-        base = _nbytes(store, held)
+        base = fixed_bytes + _nbytes(store, kept) + _nbytes(store, flying)
         if timeline is not None:
             timeline.append(Moment(stage, fmt(task), base, base + prof.peak, in_flight))
-        between = _add(_by_term(store, kept), {Term.BUFFERS: _nbytes(store, (pending | ahead) - kept)})  # held across tasks
+        between = _add(fixed_terms, _by_term(store, kept), {Term.BUFFERS: _nbytes(store, flying)})  # held across tasks
         terms = _add(between, prof.terms)
         peak.offer(base + prof.peak, terms, fmt(task), in_flight)
         # the runner accumulates after the task, its results still in the environment: a first

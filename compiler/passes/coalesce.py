@@ -25,6 +25,7 @@ from sbpc.runtime.sbp import Broadcast
 # what may share a bucket, and in which phases
 _FUSED = {Collective.ALL_REDUCE: (Role.BACKWARD, Role.OPTIMIZER), Collective.REDUCE_SCATTER: (Role.BACKWARD, Role.OPTIMIZER),
           Collective.ALL_GATHER: (Role.OPTIMIZER,)}
+_FUSED_OPS = frozenset(k.op for k in _FUSED)  # by op name: hashing an enum runs python code, per node per bucket
 
 
 @dataclass
@@ -50,27 +51,28 @@ class Coalesce:
                 groups.setdefault(key, []).append(i)
         # members by the value they reduce: fusing a bucket moves the nodes between its first and
         # last member, so the indices of a bucket of another group interleaved with it go stale
-        buckets = [[nodes[i].outputs[0] for i in b] for idxs in groups.values() for b in self._buckets(nodes, idxs)
-                   if len(b) > 1]
+        reads = [frozenset(n.uses()) for n in nodes]  # once: every group scans the program
+        buckets = [[nodes[i].outputs[0] for i in b] for idxs in groups.values()
+                   for b in self._buckets(nodes, reads, idxs) if len(b) > 1]
         for bucket in buckets:
-            at = {o: i for i, n in enumerate(nodes) if Collective.of(n.op) in _FUSED for o in n.outputs}
+            at = {o: i for i, n in enumerate(nodes) if n.op in _FUSED_OPS for o in n.outputs}
             nodes = _fuse_bucket(nodes, sorted(at[o] for o in bucket))
         return replace(graph, nodes=nodes)
 
-    def _buckets(self, nodes: list[Node], idxs: list[int]) -> list[list[int]]:
+    def _buckets(self, nodes: list[Node], reads: list[frozenset[str]], idxs: list[int]) -> list[list[int]]:
         """Cut in program order at the byte caps, and before a member computed from the bucket's
         (--clip-grad's norm, reduced after the gradients it sums): such members cannot share a
-        call, and a bucket holding one would not fuse at all."""
+        call, and a bucket holding one would not fuse at all. ``reads``: each node's uses."""
         buckets: list[list[int]] = []
         size, tainted, pos = 0, set(), 0
         for i in idxs:
             for k in range(pos, i):  # what reads the bucket so far, up to this member
-                if any(u in tainted for u in nodes[k].uses()):
+                if not tainted.isdisjoint(reads[k]):
                     tainted.update(nodes[k].outputs)
             pos = i + 1
             nbytes = nodes[i].types[0].nbytes
             cap = self.first_bucket_bytes if len(buckets) == 1 else self.bucket_bytes
-            if buckets and size + nbytes <= cap and not any(u in tainted for u in nodes[i].uses()):
+            if buckets and size + nbytes <= cap and tainted.isdisjoint(reads[i]):
                 buckets[-1].append(i)
                 size += nbytes
             else:

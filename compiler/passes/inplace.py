@@ -175,6 +175,7 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
                 r.sent = True
             else:
                 r.last[st] = max(r.last.get(st, where.position[idx]), where.position[idx])
+    shared = store.foreign | outputs  # what no update may overwrite: once, not per candidate op
     members: dict[str, set[str]] = {}
     for v in types:
         members.setdefault(store.find(v), set()).add(v)
@@ -185,7 +186,7 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
         s = store.find(x) if op else None
         st = where.stage[idx]
         if (op and len(n.outputs) == 1 and types[x] == n.types[0] and x in store.owned
-                and not members[s] & (store.foreign | outputs) and not reads[s].sent
+                and members[s].isdisjoint(shared) and not reads[s].sent
                 and reads[s].last.get(st) == where.position[idx]
                 and all(store.find(u) != s for u in list(n.uses())[1:])):
             n = replace(n, op=op)
@@ -281,6 +282,8 @@ def _group(graph: Graph, where: _Where, floor: int) -> list[Node]:
     run: list[Node] = []
 
     def flush() -> None:
+        if not run:  # most ops are not optimizer ops: the run is empty (and the union below is large)
+            return
         inside: dict[str, int] = {}
         for n in run:
             for u in set(n.uses()):
