@@ -240,14 +240,14 @@ def _opt_parts(items: list[Item]) -> dict[tuple[int, int], int]:
     made for a later part (an update's denominator, waiting for a received step count) is made
     in that part, not held across the parts."""
     producer = {o: it for it in items for o in it.outs}
+    # each opt instruction's opt-phase producers, found once for all rounds
+    opt = [(it, [producer[u] for u in it.uses if u in producer and producer[u].phase == "opt"])
+           for it in items if it.phase == "opt"]
     part: dict[tuple[int, int], int] = {}
     changed = True
     while changed:  # a fixed point; rounds = the longest chain of opt-phase transfers + 1
         changed = False
-        for it in items:
-            if it.phase != "opt":
-                continue
-            srcs = [producer[u] for u in it.uses if u in producer and producer[u].phase == "opt"]
+        for it, srcs in opt:
             want = max((part.get(p.index_key, 0) for p in srcs), default=0) + (1 if it.op == TRANSFER and srcs else 0)
             if part.get(it.index_key, 0) != want:
                 part[it.index_key] = want

@@ -22,6 +22,7 @@ order per device, which the runtime follows, plus the timeline for traces and th
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,6 +92,7 @@ def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtua
     waiting = {d: [t for t in deps if t.chunk % p == d] for d in range(p)}
     priority = _priority(schedule, p, virtual)
     finish: dict[Task, float] = {}
+    ready_at: dict[Task, float] = {}  # once every dependency has started: when the last one ends
     held = [0] * p  # forwards whose backward has not run, per device
     peak = [0] * p
     has_bwd = {t.chunk for t in deps if t.phase == "bwd"}
@@ -105,7 +107,7 @@ def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtua
         for d in range(p):
             if busy_until[d] > now:
                 continue
-            ready = [t for t in waiting[d] if all(x in finish and finish[x] <= now for x in deps[t])
+            ready = [t for t in waiting[d] if _ready_at(t, deps, finish, ready_at) <= now
                      and not (t.phase == "fwd" and t.chunk in has_bwd and held[d] >= limits[d])]
             if not ready:
                 continue
@@ -131,6 +133,17 @@ def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtua
                                hint="a dependency cycle between stages; check the stage assignment")
         now = min(later)
     return Simulation(order, limits, peak, timeline)
+
+
+def _ready_at(t: Task, deps, finish: dict[Task, float], ready_at: dict[Task, float]) -> float:
+    """When ``t``'s dependencies have all finished (inf while one has not started). A finish
+    time never changes once set, so it is computed once per task, not per look at the queue."""
+    at = ready_at.get(t)
+    if at is None:
+        if not all(x in finish for x in deps[t]):
+            return math.inf
+        at = ready_at[t] = max((finish[x] for x in deps[t]), default=-math.inf)
+    return at
 
 
 def _interleaved_order(deps, p: int, m: int, v: int, limits: list[int]) -> list[list[Task]]:
