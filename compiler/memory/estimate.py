@@ -378,7 +378,6 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         last_of_mb = {}  # one micro-batch: the update reads its values, nothing is dropped
     # a held storage is (root, micro-batch): one program value is a new tensor in every
     # micro-batch; None for what lives once a step
-    env: list[set[tuple]] = [{(r, j) for r in batch} for j in range(m)]
     persistent_keys = {(r, None) for r in persistent}
     step_env: set[tuple] = set()
     accs: set[tuple] = set()
@@ -386,9 +385,13 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     profiles: dict[tuple, _TaskProfile] = {}
     started: set[int] = set()
     peak = _Peak()
-    # the parameters and states are held through every task: their bytes are summed once, and
-    # each task sums only what it holds besides them (a stage of a 1T model holds ~10k of them)
+    # the parameters and states are held through every task: their bytes are summed once; the
+    # rest of what is kept across tasks is counted as it changes (a 1T stage holds ~10k storages)
     fixed_bytes, fixed_terms = _nbytes(store, persistent_keys), _by_term(store, persistent_keys)
+    kept = _Kept(store, persistent_keys)
+    env: list[set[tuple]] = [set() for _ in range(m)]
+    for j in range(m):
+        kept.join(env[j], {(r, j) for r in batch})
     for k, task in enumerate(order):
         body = mine[task.key]
         mb = task.mb
@@ -396,25 +399,24 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         step_once = step_env | accs  # as they stand before this task (a snapshot: both grow below)
         once = lambda x: x in persistent_keys or x in step_once  # noqa: E731
         key = lambda v: (store.root[v], None) if once((store.root[v], None)) else (store.root[v], mb)  # noqa: E731
-        here |= {key(it.outs[0]) for it in body.recvs}
-        kept = (step_env | accs | set().union(*env)) - persistent_keys  # besides the persistent ones
+        kept.join(here, {key(it.outs[0]) for it in body.recvs})
         # the runner posts the next task's receives from other stages before this one runs
         # (gloo irecv into a buffer of its own): they are live during it
         nxt = order[k + 1] if k + 1 < len(order) else None
         ahead = {(store.root[it.outs[0]], nxt.mb) for it in mine[nxt.key].recvs if it.src % pp != stage} if nxt else set()
-        flying = (pending | ahead) - persistent_keys - kept
+        flying = {x for x in pending | ahead if x not in persistent_keys and x not in kept.count}
         if task.key not in profiles:
-            visible = {r for r, j in persistent_keys | kept | flying if j is None or j == mb or mb is None}
+            visible = {r for r, j in persistent_keys | kept.count.keys() | flying if j is None or j == mb or mb is None}
             kernels = [(it.index, nodes[it.index]) for it in body.kernels]
             profiles[task.key] = _task_profile(store, kernels, set(body.outputs), visible, unread_die_at_birth=False)
         prof = profiles[task.key]
         if mb is not None and task.phase == "fwd":
             started.add(mb)
         in_flight = len(started)  # forwards run whose micro-batch is not done on this stage
-        base = fixed_bytes + _nbytes(store, kept) + _nbytes(store, flying)
+        base = fixed_bytes + kept.nbytes + _nbytes(store, flying)
         if timeline is not None:
             timeline.append(Moment(stage, fmt(task), base, base + prof.peak, in_flight))
-        between = _add(fixed_terms, _by_term(store, kept), {Term.BUFFERS: _nbytes(store, flying)})  # held across tasks
+        between = _add(fixed_terms, kept.terms, {Term.BUFFERS: _nbytes(store, flying)})  # held across tasks
         terms = _add(between, prof.terms)
         peak.offer(base + prof.peak, terms, fmt(task), in_flight)
         # the runner accumulates after the task, its results still in the environment: a first
@@ -425,13 +427,51 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         if adds:
             peak.offer(base + prof.end + max(adds), _add(between, prof.end_terms, {Term.GRADS: max(adds)}), fmt(task),
                        in_flight)
-        here |= {key(o) for o in body.outputs if o not in firsts}
-        accs |= {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of}
+        kept.join(here, {key(o) for o in body.outputs if o not in firsts})
+        kept.join(accs, {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of})
         pending |= {key(x.value) for x in tg.sends.get(task.key, []) if x.dst_chunk % pp != stage}
         if mb is not None and last_of_mb.get(mb) == task:
+            kept.leave(env[mb])
             env[mb] = set()  # the micro-batch's regst is free
             started.discard(mb)
     return _role(stage, pp, ranks, peak, state)
+
+
+class _Kept:
+    """What a pipelined stage keeps across tasks besides ``skip`` (its parameters and states):
+    the union of its environments (per micro-batch, once a step, accumulators), one key may be
+    in several. Its bytes and bytes by term are updated as the sets change, not summed anew
+    for every task."""
+
+    def __init__(self, store: Storages, skip: set[tuple]):
+        self.store, self.skip = store, skip
+        self.count: dict[tuple, int] = {}  # key -> how many of the sets hold it
+        self.nbytes = 0
+        self.terms = dict.fromkeys(Term, 0)
+
+    def join(self, target: set[tuple], keys: set[tuple]) -> None:
+        """``target |= keys``, counted."""
+        new = keys - target
+        target |= new
+        self._change(new, 1)
+
+    def leave(self, source: set[tuple]) -> None:
+        """``source`` is emptied: its keys leave."""
+        self._change(source, -1)
+
+    def _change(self, keys, step: int) -> None:
+        for k in keys:
+            if k in self.skip:
+                continue
+            c = self.count.get(k, 0) + step
+            if c:
+                self.count[k] = c
+            else:
+                del self.count[k]
+            if c == (1 if step > 0 else 0):  # its first holder came, or its last one left
+                s = self.store.store[k[0]]
+                self.nbytes += step * s.nbytes
+                self.terms[s.held_term] += step * s.nbytes
 
 
 def _nbytes(store: Storages, keys: set[tuple]) -> int:
