@@ -33,7 +33,7 @@ def test_table_is_ranked_by_simulated_step_time(capsys):
 
 
 def test_meshes_restrict_the_candidates(capsys):
-    out = _search([*TINY, "--meshes", "2x2x1,1x1x4", "--top", "8"], capsys)
+    out = _search([*TINY, "--meshes", "2x2x1,1x1x4", "--top", "4"], capsys)
     assert {r["mesh"] for r in out["rows"]} == {"2x2x1", "1x1x4"}
     assert out["enumerated"] < _search([*TINY, "--top", "1"], capsys)["enumerated"]
 
@@ -59,6 +59,33 @@ def test_config_out_reproduces_the_plan_through_compile(tmp_path, capsys):
     assert a.estimates.roles == b.estimates.roles
     if best["mesh"] == "1x2x2":
         assert "[stages]" in text and a.pipeline is not None
+
+
+@pytest.mark.parametrize("mesh,microbatches,recompute", [("2x2x1", 1, "none"), ("2x1x2", 4, "full")])
+def test_memory_extrapolated_from_few_layers_is_near_a_full_compile(mesh, microbatches, recompute):
+    """The roles of a 2-layer plan extrapolated to 8 layers against the 8-layer plan's own
+    estimate (docs/search.md, "Memory at the real depth")."""
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.compiler.tools.depth import compile_layers, extrapolate_memory
+    from sbpc.compiler.tools.search import compiled_depth, with_stages
+    from sbpc.compiler.tools.search_space import Candidate, Shape, layer_activation_bytes
+    from sbpc.runtime.kinds import Precision, Recompute
+
+    dp, tp, pp = map(int, mesh.split("x"))
+    c = Candidate(dp, tp, pp, microbatches, recompute=Recompute(recompute))
+    sets, layers = dict(hidden=256, heads=8, vocab=1024, seq=128), 8
+    shape = Shape(layers, 256, 8, 1024, 128, 16, Precision.FP32)
+    pipeline, memory = PipelineOptions(microbatches=microbatches), MemoryOptions(recompute=Recompute(recompute))
+    config = load_config("examples/gpt.megatron.toml")
+    plans = [compile_layers("examples/gpt.py", sets, k, mesh, batch_size=16, pipeline=pipeline, memory=memory,
+                            config=with_stages(config, c, "h", k), quiet=True) for k in (compiled_depth(c, layers), layers)]
+    assert plans[0].estimates.roles[0].params < plans[1].estimates.roles[0].params  # the depths differ
+    guess = extrapolate_memory(plans[0], layers, "h", layer_activation_bytes(c, shape))
+    for g, real in zip(guess, plans[1].estimates.roles):
+        assert g.params == pytest.approx(real.params, rel=0.01)
+        assert 0.85 <= g.total / real.total <= 1.2, (g, real)
 
 
 @pytest.mark.slow

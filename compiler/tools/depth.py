@@ -7,7 +7,10 @@ N/K times (docs/cost_model.md). Memory does not scale that way (a peak is not a 
 ``extrapolate_memory`` adds to each role what its missing layers hold -- their share of the
 role's parameters, gradients and optimizer state, read off the plan's own parameters, and the
 activations a layer keeps for the backward times the micro-batches the role holds at its peak
-(the caller's per-layer figure). Used by `sbpc search` and bench/calibration.py.
+(the caller's per-layer figure); when the peak is in the optimizer update, its buffers and
+temporaries are per-parameter values and grow with the parameters instead. The peak stays
+where the compiled plan has it: a deeper model whose peak moves to another phase is estimated
+at the compiled one's. Used by `sbpc search` and bench/calibration.py.
 """
 from __future__ import annotations
 
@@ -76,8 +79,13 @@ def extrapolate_memory(plan: Plan, layers: int, layer_list: str, activations_per
             out.append(role)
             continue
         grow = layers / p / copies  # how many times the role's layers multiply
-        terms = {t: round(getattr(role, t) * (1 - share + share * grow)) for t in _STATE}
-        terms["activations"] = round(role.activations + activations_per_layer * role.in_flight * (layers / p - copies))
-        total = sum(terms.values()) + role.buffers + role.temporaries
-        out.append(role.model_copy(update={**terms, "total": total}))
+        state = 1 - share + share * grow  # how many times its parameters do
+        if role.peak_at.startswith("U"):  # the peak is in the update: its values are per parameter
+            terms = {t: round(getattr(role, t) * state) for t in (*_STATE, "buffers", "temporaries")}
+            terms["activations"] = role.activations
+        else:  # in a forward or backward: one layer's working set, and the stash of every layer in flight
+            terms = {t: round(getattr(role, t) * state) for t in _STATE}
+            terms["activations"] = round(role.activations + activations_per_layer * role.in_flight * (layers / p - copies))
+            terms |= {"buffers": role.buffers, "temporaries": role.temporaries}
+        out.append(role.model_copy(update={**terms, "total": sum(terms.values())}))
     return out

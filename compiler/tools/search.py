@@ -3,8 +3,8 @@
 Three separable steps: ``search_space`` enumerates the strategies (mesh, micro-batches,
 schedule, ZeRO, recompute) and ranks them with a first-order estimate (the policy); the
 ``top`` fastest that fit the device memory by that estimate are then compiled and simulated
-(the mechanism, the same as `sbpc compile` and `sbpc simulate`); the table is ranked by the
-simulated step time. The cluster is a parameter of both the estimate and the simulation.
+(the mechanism, the same as `sbpc compile` and `sbpc simulate`; one the compiler refuses is
+listed and the next one compiled instead); the table is ranked by the simulated step time. The cluster is a parameter of both the estimate and the simulation.
 
 Each short-listed strategy is compiled with few copies of the model's layer (``depth.py``): one
 per pipeline chunk (two without pp, as bench/calibration.py), pinned to the chunks evenly by
@@ -168,12 +168,15 @@ def run_search(opts: SearchOptions, progress=lambda line: None) -> Outcome:
                          f"over {opts.devices} devices", hint="try another --devices or --batch-size")
     scored = [(c, search_space.estimate(c, shape, opts.cluster, opts.attention)) for c in candidates]
     fitting = sum(e.memory_bytes <= budget for _, e in scored)
-    short = search_space.shortlist(scored, budget, opts.top)
-    progress(f"{len(candidates)} strategies, {fitting} fit by the estimate; compiling the {len(short)} fastest")
+    order = search_space.shortlist(scored, budget)
+    progress(f"{len(candidates)} strategies, {fitting} fit by the estimate; compiling the {opts.top} fastest")
     layers_of = layer_list(opts, shape.layers)
-    compiled = []
-    for c, est in short:
+    compiled, done = [], 0
+    for c, est in order:  # until ``top`` have compiled: one the compiler refuses is listed, and the next one tried
+        if done == opts.top:
+            break
         compiled.append((c, est, *_compile_and_simulate(c, est, shape, opts, config, layers_of, budget, progress)))
+        done += compiled[-1][2].step_time_s is not None
     compiled.sort(key=lambda x: (x[2].step_time_s is None, not x[2].fits, x[2].step_time_s or 0.0))
     outcome = Outcome(result=SearchResult(cluster=opts.cluster.name, devices=opts.devices, layers=shape.layers,
                                           enumerated=len(candidates), estimated_fit=fitting, rows=[], seconds=0.0))
@@ -230,8 +233,9 @@ def table_text(r: SearchResult) -> str:
                     f"{size_text(row.peak_memory_bytes):>9} {'yes' if row.fits else 'NO':>4}")
         lines.append(f"{row.rank:>4} {row.mesh:>10} {row.micro_batch:>7} {row.microbatches:>4} {sched:>11} {row.zero:>4} "
                      f"{row.recompute:>9} {tail}")
-    lines.append(f"{r.enumerated} strategies enumerated, {r.estimated_fit} fit by the estimate, {len(r.rows)} compiled "
-                 f"and simulated on {r.cluster} for {r.layers} layers in {r.seconds:.1f} s")
+    simulated = sum(row.step_time_s is not None for row in r.rows)
+    lines.append(f"{r.enumerated} strategies enumerated, {r.estimated_fit} fit by the estimate, {len(r.rows)} compiled, "
+                 f"{simulated} simulated on {r.cluster} for {r.layers} layers in {r.seconds:.1f} s")
     return "\n".join(lines)
 
 

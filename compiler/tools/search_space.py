@@ -159,14 +159,14 @@ def estimate(c: Candidate, shape: Shape, cluster: Cluster, attention: str = "fla
 
 
 def layer_activation_bytes(c: Candidate, shape: Shape) -> float:
-    """What one layer keeps for the backward of one micro-batch on a device (Korthikanti et al.
-    2022, without sequence parallelism: sbh(10 + 24/t + 5as/ht) in fp16 bytes; selective
-    recompute drops the attention scores' term, full keeps the layer's input)."""
-    s, h, t = shape.seq, shape.hidden, c.tp
-    unit = s * c.micro_batch_size(shape.batch) * h * shape.act_bytes / 2
-    if c.recompute == Recompute.FULL:
-        return 2 * unit
-    return unit * (10 + 24 / t + (5 * shape.heads * s / (h * t) if c.recompute == Recompute.NONE else 0.0))
+    """What one layer keeps for the backward of one micro-batch on a device, in sbh units of
+    fp16 bytes: Korthikanti et al. 2022 count 10 + 24/t without sequence parallelism and
+    without the s x s probabilities (sbpc's attention op keeps its inputs, output and log-sum-exp,
+    so selective recompute keeps the same); sbpc's plans of examples/gpt.py keep about 3 more
+    replicated (13 + 24/t, measured against full-depth compiles at s = 2048), and with full
+    recompute 4 (the layer's input, and its fp32 copy in half precision)."""
+    unit = shape.seq * c.micro_batch_size(shape.batch) * shape.hidden * shape.act_bytes / 2
+    return 4 * unit if c.recompute == Recompute.FULL else unit * (13 + 24 / c.tp)
 
 
 def _memory(c: Candidate, shape: Shape, stage_params: float, b: int) -> float:
@@ -186,14 +186,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shortlist(scored: list[tuple[Candidate, Estimate]], budget: float, top: int) -> list[tuple[Candidate, Estimate]]:
-    """The ``top`` fastest estimates that fit ``budget``, the fastest of each mesh first (the
-    estimate is coarse: a spread of meshes hedges it); when none fits, the ``top`` smallest."""
+def shortlist(scored: list[tuple[Candidate, Estimate]], budget: float) -> list[tuple[Candidate, Estimate]]:
+    """The order to compile in: the estimates that fit ``budget``, fastest first, the fastest of
+    each mesh before any second one (the estimate is coarse: a spread of meshes hedges it); when
+    none fits, all of them, smallest first."""
     fitting = sorted((x for x in scored if x[1].memory_bytes <= budget), key=lambda x: (x[1].seconds, x[0]))
     if not fitting:
-        return sorted(scored, key=lambda x: (x[1].memory_bytes, x[0]))[:top]
+        return sorted(scored, key=lambda x: (x[1].memory_bytes, x[0]))
     seen, first, rest = set(), [], []
     for x in fitting:
         (rest if x[0].mesh in seen else first).append(x)
         seen.add(x[0].mesh)
-    return (first + rest)[:top]
+    return first + rest
