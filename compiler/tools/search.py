@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict
 
@@ -90,17 +90,16 @@ class Outcome:
     result: SearchResult
     winner: Candidate | None = None
     plan: Plan | None = None  # the winner's simulated plan (compiled with ``result.rows[0].compiled_layers`` layers)
-    candidates: dict[int, Candidate] = field(default_factory=dict)  # rank -> strategy
     layer_list: str | None = None  # the module path of the model's repeated layer ("h")
 
 
 def model_shape(opts: SearchOptions) -> Shape:
     """The model's shape from its file's ``config(**sets)`` (examples/gpt.py has one)."""
-    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.model_loader import call_user, load_model
 
     module = load_model(opts.model, opts.sets).module
     fn = getattr(module, "config", None)
-    cfg = fn(**opts.sets) if callable(fn) else None
+    cfg = call_user(fn, opts.model, **opts.sets) if callable(fn) else None
     if not isinstance(cfg, dict) or any(not isinstance(cfg.get(k), int) for k in _SHAPE_KEYS):
         raise UsageError(f"sbpc search needs {opts.model} to define config(**kw) returning the ints "
                          + ", ".join(_SHAPE_KEYS), hint="examples/gpt.py's config() is the form; "
@@ -183,7 +182,6 @@ def run_search(opts: SearchOptions, progress=lambda line: None) -> Outcome:
     outcome.layer_list = layers_of
     for rank, (c, _, row, plan) in enumerate(compiled, 1):
         outcome.result.rows.append(row.model_copy(update={"rank": rank}))
-        outcome.candidates[rank] = c
         if outcome.winner is None and row.fits and row.step_time_s is not None:
             outcome.winner, outcome.plan = c, plan
     outcome.result.seconds = time.perf_counter() - t0
@@ -211,7 +209,7 @@ def _compile_and_simulate(c: Candidate, est: search_space.Estimate, shape: Shape
     roles = plan.estimates.roles if k == shape.layers or layers_of is None else \
         extrapolate_memory(plan, shape.layers, layers_of, search_space.layer_activation_bytes(c, shape))
     peak = max(r.total for r in roles)
-    progress(f"  {_label(c)}: {sim.step_time_s:.3f} s simulated, {size_text(peak)} ({time.perf_counter() - t:.1f} s)")
+    progress(f"  {_label(c)}: {_time(sim.step_time_s)} simulated, {size_text(peak)} ({time.perf_counter() - t:.1f} s)")
     return Row(**base, step_time_s=sim.step_time_s, tflops_per_device=sim.tflops_per_device, mfu=sim.mfu,
                peak_memory_bytes=peak, fits=peak <= budget), plan
 
