@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from sbpc.compiler.memory_options import ZERO_STAGES
 from sbpc.compiler.sbp.cost_model import ClusterCost
 from sbpc.compiler.tools.cluster import Cluster
 from sbpc.runtime.kinds import Collective, Precision, Recompute, ScheduleName
 
-ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 _KERNELS_PER_LAYER = 40  # forward kernels of one transformer layer, unfused (the backward launches twice as many)
 
@@ -45,9 +45,6 @@ class Shape:
 
     def layer_params(self) -> int:
         return 12 * self.hidden ** 2 + 13 * self.hidden
-
-    def params(self) -> int:
-        return self.layers * self.layer_params() + (2 * self.vocab + self.seq) * self.hidden
 
 
 @dataclass(frozen=True, order=True)
@@ -151,7 +148,8 @@ def estimate(c: Candidate, shape: Shape, cluster: Cluster, attention: str = "fla
     bubble = (c.pp - 1) / c.virtual_stages
     pipeline = (c.microbatches + bubble) * (per_mb + transfer)
     # the model state of the first stage (its layers and the embeddings), and its update
-    stage_params = (L / c.pp * shape.layer_params() + (2 * v + s) * h / (c.pp if c.pp > 1 else 1)) / t
+    embeddings = (v + s) * h if c.pp > 1 else (2 * v + s) * h  # the head's weight is on the last stage with pp
+    stage_params = (L / c.pp * shape.layer_params() + embeddings) / t
     grads = cost.on_axis(Collective.ALL_REDUCE, stage_params * 4, "dp")
     update = stage_params / (c.dp if c.zero else 1) * 28 / bw
     seconds = pipeline + grads + update
