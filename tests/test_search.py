@@ -92,20 +92,22 @@ def test_memory_extrapolated_from_few_layers_is_near_a_full_compile(mesh, microb
 def test_narayanan_18b_on_256_gpus_beats_the_published_plan(tmp_path, capsys):
     """The 18.4B row (heads 48, hidden 6144, 40 layers, batch 1024, fp16) on 256 A100-80GB:
     the search's winner simulates at least as fast as the published 32x8x1 with micro-batch 8
-    and full recompute (bench/calibration.py's plan of it), and the search takes under 2 minutes."""
+    and full recompute (bench/calibration.py's plan of it), and the search takes under 2 minutes
+    of CPU (the wall time is printed: on this shared 2-core machine it doubles when other jobs
+    take the cores, docs/search.md)."""
     from test_simulate import _calibration
 
     cal = _calibration()
     row = cal.ROWS[1]
     _, published = cal.predict(row, tmp_path / "calibration")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = _search(["search", "examples/gpt.py", *[x for k, v in row.sets().items() for x in ("--set", f"{k}={v}")],
                    "--set", f"layers={row.layers}", "--devices", str(row.gpus), "--cluster", "dgx-a100-80g",
                    "--batch-size", str(row.batch), "--config", "examples/gpt.megatron.toml", "--precision", "fp16",
                    "--attention", "materialized", "--attention-dropout", str(cal.ATTENTION_DROPOUT)], capsys)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     best = out["rows"][0]
-    print(f"search: {wall:.1f} s; winner {best['mesh']} m={best['microbatches']} {best['schedule']} zero={best['zero']} "
+    print(f"search: {wall:.1f} s wall, {cpu:.1f} s CPU; winner {best['mesh']} m={best['microbatches']} {best['schedule']} zero={best['zero']} "
           f"recompute={best['recompute']}: {best['step_time_s']:.3f} s vs published {published.step_time_s:.3f} s")
     assert best["fits"] and best["step_time_s"] <= published.step_time_s
-    assert wall < 120
+    assert cpu < 120
