@@ -33,7 +33,8 @@ def compile_layers(path: str, sets: dict, layers: int, mesh: str, *, batch_size:
                    quiet: bool = False) -> Plan:
     """The plan of model file ``path`` (its ``--set`` values ``sets``) with ``layers`` copies of
     its layer. ``quiet``: without the IR verifier between passes and without printing the
-    compiler's notes (a probe's, not the user's)."""
+    compiler's notes (a probe's, not the user's; docs/search.md, "Limits", says what the
+    verifier would refuse)."""
     from sbpc.compiler.driver import compile_model
     from sbpc.compiler.frontend.model_loader import load_model
     from sbpc.compiler.ir.mesh import parse_mesh
