@@ -1,5 +1,5 @@
-"""The `sbpc` command: compile, memory, inspect, diff, report, run, train, corpus, launch, check, explain, simulate, export,
-opt, schema."""
+"""The `sbpc` command: compile, memory, inspect, diff, report, run, train, corpus, launch, check, explain, simulate, search,
+export, opt, schema."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from sbpc.errors import UsageError, guarded_main
 from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, run_command,
                               schedule_of)
 from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
+from sbpc.runtime.kinds import Precision
 from sbpc.compiler.tools.compile_flags import add_model_arguments, compile_from_args, memory_options_of
 
 
@@ -248,6 +249,54 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    from sbpc.compiler.frontend.model_loader import parse_sets
+    from sbpc.compiler.memory_options import parse_bytes
+    from sbpc.compiler.tools.cluster import load_cluster
+    from sbpc.compiler.tools.search import SearchOptions, compile_command, config_toml, run_search, table_text
+    from sbpc.compiler.tools.search_space import parse_meshes
+    from sbpc.runtime.files import check_output_path
+    from sbpc.runtime.kinds import Precision
+
+    for flag, what in (("output", "plan (-o)"), ("config_out", "parallel config (--config-out)")):
+        if getattr(args, flag) is not None:
+            check_output_path(getattr(args, flag), what)
+    if args.devices < 1:
+        raise UsageError(f"--devices {args.devices} must be at least 1", hint="the device count to plan for, e.g. --devices 256")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be at least 1", hint="the global batch, e.g. --batch-size 1024")
+    if args.top < 1:
+        raise UsageError(f"--top {args.top} must be at least 1", hint="the strategies to compile and simulate, e.g. --top 4")
+    if args.attention_dropout is not None and not 0 <= args.attention_dropout < 1:
+        raise UsageError(f"--attention-dropout {args.attention_dropout} must be in [0, 1)",
+                         hint="a dropout probability, e.g. --attention-dropout 0.1")
+    opts = SearchOptions(model=args.model, sets=parse_sets(args.sets), devices=args.devices, cluster=load_cluster(args.cluster),
+                         batch_size=args.batch_size, precision=Precision(args.precision),
+                         device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
+                         config_path=args.config, meshes=parse_meshes(args.meshes, args.devices) if args.meshes else None,
+                         top=args.top, attention=args.attention, attention_dropout=args.attention_dropout)
+    outcome = run_search(opts, progress=(lambda line: None) if args.json else (lambda line: print(line, flush=True)))
+    print(outcome.result.model_dump_json(indent=1) if args.json else table_text(outcome.result))
+    if outcome.winner is None:
+        print("sbpc search: no compiled strategy fits the device memory; nothing written", file=sys.stderr)
+        return 1
+    if args.output is not None:
+        from sbpc.runtime.plan import save_plan
+
+        save_plan(outcome.plan, args.output)
+        layers = outcome.result.rows[0].compiled_layers
+        note = "" if layers == outcome.result.layers else \
+            f" (compiled with {layers} of the {outcome.result.layers} layers: simulate it with --layers {outcome.result.layers})"
+        print(f"wrote the winner's plan to {args.output}{note}", file=sys.stderr if args.json else sys.stdout)
+    if args.config_out is not None:
+        command = compile_command(outcome.winner, opts, args.config_out)
+        with open(args.config_out, "w") as f:
+            f.write(config_toml(outcome.winner, opts, command, outcome.layer_list, outcome.result.layers))
+        print(f"wrote the winner's parallel config to {args.config_out}; reproduce: {command}",
+              file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def cmd_launch(args) -> int:
     from sbpc.compiler.tools.launch_script import LaunchSpec, render_launch, write_script
     from sbpc.runtime.files import check_output_path
@@ -384,6 +433,35 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--layers", type=int, metavar="N",
                     help="the plan's repeated layer (h.0, h.1, ...) stands for N identical layers (docs/cost_model.md)")
     sm.set_defaults(fn=cmd_simulate)
+    se = sub.add_parser("search", help="find the fastest strategy (mesh, micro-batches, schedule, ZeRO, recompute) for a "
+                                       "model on N devices of a cluster")
+    se.add_argument("model", help="model file; it must define config(**kw) with layers, hidden, heads, vocab, seq "
+                                  "(examples/gpt.py)")
+    se.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", help="keyword argument for the model "
+                                                                                  "(repeatable)")
+    se.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    se.add_argument("--cluster", required=True, metavar="NAME|FILE", help="a preset (dgx-a100-80g, dgx-h100, h200) or "
+                                                                          "a cluster TOML file")
+    se.add_argument("--batch-size", type=int, required=True, help="global batch size")
+    se.add_argument("--config", help="parallel config whose [params] and [modules] hints every strategy compiles with "
+                                     "(e.g. examples/gpt.megatron.toml)")
+    se.add_argument("--precision", choices=[x.value for x in Precision], default="fp32", help="compute precision "
+                                                                                              "(default fp32)")
+    se.add_argument("--device-memory", metavar="BYTES", help="memory per device a strategy must fit (default: the "
+                                                             "cluster's)")
+    se.add_argument("--meshes", metavar="DxTxP,...", help="only these meshes, e.g. 8x1x1,2x4x1")
+    se.add_argument("--top", type=int, default=4, help="strategies to compile and simulate, the fastest by the "
+                                                       "estimate (default 4)")
+    se.add_argument("--attention", choices=["flash", "materialized"], default="flash",
+                    help="the attention kernel the simulation prices (as `sbpc simulate`)")
+    se.add_argument("--attention-dropout", type=float, metavar="P", help="price attention with dropout P (as `sbpc "
+                                                                         "simulate`)")
+    se.add_argument("--json", action="store_true", help="print the result as JSON (rows: rank, mesh, micro_batch, "
+                                                       "microbatches, schedule, zero, recompute, step_time_s, ...)")
+    se.add_argument("-o", "--output", help="write the winner's plan (the one simulated; docs/search.md)")
+    se.add_argument("--config-out", metavar="FILE", help="write the winner as a parallel config for `sbpc compile "
+                                                         "--config`")
+    se.set_defaults(fn=cmd_search)
     x = sub.add_parser("export", help="write a checkpoint's consolidated logical weights to one .safetensors file")
     x.add_argument("checkpoint", help="a --save directory (its newest complete checkpoint) or one step_* directory")
     x.add_argument("-o", "--output", default="model.safetensors", help="file to write (default model.safetensors)")
@@ -396,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("file", help="a .sbpir file")
     o.add_argument("-p", "--passes", default="", help="comma-separated pass names, e.g. normalize,cse,dce")
     o.set_defaults(fn=cmd_opt)
-    for sp in (c, mm, i, d, h, r, t, cp, la, k, e, sm, x, s, o):
+    for sp in (c, mm, i, d, h, r, t, cp, la, k, e, sm, se, x, s, o):
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -19,8 +19,6 @@ prints one row per configuration and ends with ``ratio=<the prediction/published
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +61,8 @@ class Row:
         b, s, l, h, v = self.batch, SEQ, self.layers, self.hidden, VOCAB
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
-    def compile_args(self, out: str) -> list[str]:
-        return ["compile", "examples/gpt.py", "--set", f"layers={self.compiled_layers}", "--set", f"hidden={self.hidden}",
-                "--set", f"heads={self.heads}", "--set", f"vocab={VOCAB}", "--set", f"seq={SEQ}",
-                "--mesh", f"{self.dp}x{self.tp}x{self.pp}", "--batch-size", str(self.batch),
-                "--microbatches", str(self.microbatches), "--config", "examples/gpt.megatron.toml",
-                "--precision", "fp16", "--recompute", "full", "-o", out]
-
+    def sets(self) -> dict:
+        return dict(hidden=self.hidden, heads=self.heads, vocab=VOCAB, seq=SEQ)
 
 ROWS = (
     Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 137.0),
@@ -79,24 +72,31 @@ ROWS = (
 
 
 def plan_for(row: Row, cache: Path):
-    """The row's compiled plan, from ``cache`` when an identical compile wrote it before."""
-    from sbpc.cli import main
-    from sbpc.runtime.plan import load_plan
+    """The row's compiled plan (``compiler/tools/depth.py``), from ``cache`` when an identical
+    compile wrote it before."""
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.compiler.tools.depth import compile_layers
+    from sbpc.runtime.kinds import Precision, Recompute
+    from sbpc.runtime.plan import load_plan, save_plan
 
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / (f"{row.params}-{row.dp}x{row.tp}x{row.pp}-l{row.compiled_layers}-m{row.microbatches}.json")
-    args = row.compile_args(str(path))
     stamp = path.with_suffix(".args")
-    if not (path.exists() and stamp.exists() and stamp.read_text() == " ".join(args)):
+    key = f"{row!r} layers={row.compiled_layers}"
+    if not (path.exists() and stamp.exists() and stamp.read_text() == key):
         cwd = os.getcwd()
         os.chdir(ROOT)  # the plan records the model path relative to the repository
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                if main(args) != 0:
-                    raise SystemExit(f"compile of {row.params} failed")
+            plan = compile_layers("examples/gpt.py", row.sets(), row.compiled_layers, f"{row.dp}x{row.tp}x{row.pp}",
+                                  batch_size=row.batch, pipeline=PipelineOptions(microbatches=row.microbatches),
+                                  memory=MemoryOptions(recompute=Recompute.FULL, precision=Precision.FP16),
+                                  config=load_config("examples/gpt.megatron.toml"))
         finally:
             os.chdir(cwd)
-        stamp.write_text(" ".join(args))
+        save_plan(plan, str(path))
+        stamp.write_text(key)
     return load_plan(str(path))
 
 
