@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -77,31 +79,44 @@ def eager_stepper(source, opt: OptimizerConfig, variant: str):
     return step
 
 
-def time_block(step, batches) -> float:
-    """Seconds per step over one block; only the steps are inside the timer."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class Block:
+    """One timed block, per step: wall seconds, CPU seconds of the process (the load disturbs it
+    less) and minor page faults (memory the allocator had handed back, touched again)."""
+    wall: float
+    cpu: float
+    faults: float
+
+
+def time_block(step, batches) -> Block:
+    """One block of steps; only the steps are inside the timers."""
+    faults, cpu, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
     for batch in batches:
         step(batch)
-    return (time.perf_counter() - start) / len(batches)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return Block(wall / len(batches), cpu / len(batches), faults / len(batches))
 
 
-def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict, dict, int, float]:
+def measure(sides: dict, warm: list, batches: list, args) -> tuple[dict, dict, dict, int, float]:
     """Warm every side up, then interleave timed blocks.
 
-    Returns the median and the best block's s/step of each side, the steps per block and the slowest
-    warm-up s/step."""
+    Returns the median and the best block's s/step of each side, each side's median block
+    (``Block``: wall, CPU, faults), the steps per block and the slowest warm-up s/step."""
     for step in sides.values():
         time_block(step, warm)
-    slowest = max(time_block(step, warm[-1:]) for step in sides.values())  # one warm step each, to size blocks
+    slowest = max(time_block(step, warm[-1:]).wall for step in sides.values())  # one warm step each, to size blocks
     steps = args.steps or min(max(MIN_STEPS, round(args.block_seconds / slowest)), MAX_STEPS)
-    times = {side: [] for side in sides}
+    blocks = {side: [] for side in sides}
     order = list(sides)
     for _ in range(args.rounds):
         for side in order:
-            times[side].append(time_block(sides[side], batches[:steps]))
+            blocks[side].append(time_block(sides[side], batches[:steps]))
         order.reverse()
-    med = {side: statistics.median(t) for side, t in times.items()}
-    return med, {side: min(t) for side, t in times.items()}, steps, slowest
+    med = {side: statistics.median(b.wall for b in bs) for side, bs in blocks.items()}
+    usage = {side: Block(med[side], statistics.median(b.cpu for b in bs), statistics.median(b.faults for b in bs))
+             for side, bs in blocks.items()}
+    return med, {side: min(b.wall for b in bs) for side, bs in blocks.items()}, usage, steps, slowest
 
 
 def bench_config(name: str, sets: list[str], batch_size: int, args) -> list[tuple]:
@@ -117,12 +132,12 @@ def bench_config(name: str, sets: list[str], batch_size: int, args) -> list[tupl
     rows, first = [], None
     for threads in args.threads:
         torch.set_num_threads(threads)
-        med, best, steps, slowest = measure(sides, warm, batches, args)
+        med, best, usage, steps, slowest = measure(sides, warm, batches, args)
         first = first or (threads, slowest)
         if threads > first[0] and slowest > 1.5 * first[1]:
             print(f"warning: warm-up at {threads} threads is {slowest / first[1]:.0f}x slower than at {first[0]}; "
                   "other processes hold the cores, so these figures are mostly scheduling noise", flush=True)
-        rows += [(name, batch_size, threads, steps, side, med[side], med["plan"] / med[side]) for side in sides]
+        rows += [(name, batch_size, threads, steps, side, med[side], med["plan"] / med[side], usage[side]) for side in sides]
         print_ratios(f"{name}, {threads} thread(s), {args.rounds} x {steps} steps", med, best, args.eager)
     return rows
 
@@ -140,9 +155,10 @@ def print_ratios(label: str, med: dict, best: dict, variants: list[str]) -> None
 
 def print_table(rows) -> None:
     print(f"\n{'config':>6} {'batch':>5} {'threads':>7} {'steps':>5} {'side':>14} {'ms/step':>9} {'steps/s':>8} "
-          f"{'plan/this':>9}")
-    for name, batch, threads, steps, side, sec, ratio in rows:
-        print(f"{name:>6} {batch:>5} {threads:>7} {steps:>5} {side:>14} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:9.2f}")
+          f"{'plan/this':>9} {'cpu ms':>8} {'faults':>7}")
+    for name, batch, threads, steps, side, sec, ratio, use in rows:
+        print(f"{name:>6} {batch:>5} {threads:>7} {steps:>5} {side:>14} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:9.2f} "
+              f"{use.cpu * 1e3:8.2f} {use.faults:7.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@ from functools import partial
 import torch
 
 from sbpc.runtime import collectives
-from sbpc.runtime.backend import Backend
+from sbpc.runtime.backend import Backend, Communicator
+from sbpc.runtime.host_memory import keep_freed_memory
+from sbpc.runtime.topology import Topology
 
 aten = torch.ops.aten
 
@@ -28,6 +30,12 @@ def constant(values, shape, dtype):
 class CpuBackend(Backend):
     name = "cpu"
     device = torch.device("cpu")
+
+    def __init__(self, communicator: Communicator, topology: Topology | None = None):
+        super().__init__(communicator, topology)
+        # a step frees and reallocates the same sizes every time: keep them in the process
+        # instead of faulting them in again each step (runtime/host_memory.py)
+        self.keeps_freed_memory = keep_freed_memory()
 
     def kernels(self):
         """Device-neutral ``sbpc.*`` kernels: attention, constants, the SBP shard ops of

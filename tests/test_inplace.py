@@ -65,7 +65,6 @@ def test_runner_never_hands_out_what_the_next_step_overwrites():
 
 
 
-
 # ----- pipelined plans: "later" is the stage's task order (tests/golden/inplace-pipeline.sbpir)
 
 TINY = {"hidden": 64, "heads": 2, "vocab": 128, "seq": 16, "layers": 4}
@@ -148,3 +147,24 @@ def test_pipelined_foreach_calls_stay_within_one_task():
 def _tasks_of(graph) -> dict:
     return {o: key for key, n in zip(node_tasks(graph), graph.nodes) for o in n.outputs}
 
+
+# ----- the backward's gradient accumulations (tests/golden/inplace-accumulate.sbpir)
+
+def test_backward_accumulations_are_in_place_and_bitwise_the_functional_plan():
+    """Each residual's two gradient contributions are summed into the one that dies there
+    (``add_``, as autograd's input buffer does), and nothing else of the step changes a bit."""
+    source, batch = load_model("examples/gpt.py", TINY), 4
+    lean = compile_model(source, parse_mesh("1"), batch_size=batch, optimizer=OptimizerConfig(), passes=FOREACH)
+    functional = compile_model(source, parse_mesh("1"), batch_size=batch, optimizer=OptimizerConfig(), passes=FUNCTIONAL)
+    accumulate = lambda plan, op: [i for i in plan.stages[0].instructions if i.role == "bwd" and i.op == op]  # noqa: E731
+    assert len(accumulate(lean.plan, "aten.add_.Tensor")) == 2 * TINY["layers"]  # two residuals a layer
+    assert not accumulate(lean.plan, "aten.add.Tensor") and not accumulate(functional.plan, "aten.add_.Tensor")
+    runs = []
+    for plan in (lean.plan, functional.plan):
+        runner, batches = Runner(plan, make_backend("cpu"), seed=0), BatchSource(plan, 0)
+        steps = [runner.step(batches(i), keep_grads=True) for i in range(2)]
+        runs.append(([s.loss for s in steps], [s.grads for s in steps], runner.logical_params()))
+    (losses, grads, params), (losses_f, grads_f, params_f) = runs
+    assert losses == losses_f
+    for a, b in [*zip(grads, grads_f), (params, params_f)]:
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -138,6 +138,9 @@ COUNTED = {  # what clipping adds to the step's data-moving collectives (kind, a
     # stage 0's partial sum to stage 1, the coefficient back
     "1x1x2": ({("transfer", "pp", "opt"): 2}, dict(mesh="1x1x2", pipeline=PipelineOptions(microbatches=2))),
 }
+# calls the norm's all-reduce absorbs: under ZeRO-2 no gradient is all-reduced, so the loss's
+# all-reduce is a call of its own, and with clipping it rides in the norm's (coalesce)
+ABSORBED = {"2x1-zero2": {("all_reduce", "dp", "fwd"): 1}}
 
 
 @pytest.mark.parametrize("layout", COUNTED, ids=list(COUNTED))
@@ -154,5 +157,5 @@ def test_clipping_adds_one_small_all_reduce_per_axis_that_shards_the_update(layo
                                                                      if c.moves_data}.values())
     plain = calls(_plan(kw, OptimizerConfig()))
     clipped_plan = _plan(kw, OptimizerConfig(clip_grad=1.0))
-    assert calls(clipped_plan) - plain == Counter(added) and not plain - calls(clipped_plan)
+    assert calls(clipped_plan) - plain == Counter(added) and plain - calls(clipped_plan) == Counter(ABSORBED.get(layout, {}))
     assert all(c.nbytes == 4 for c in collectives(clipped_plan) if c.value.startswith("clip_"))

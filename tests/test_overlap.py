@@ -110,19 +110,25 @@ def test_the_token_count_is_gathered_while_the_forward_runs(plan):
     assert len(matmuls) > 8 and max(matmuls) < w
 
 
-def test_the_loss_is_reduced_under_the_backward_and_update(plan):
-    # the dp loss leaves the step reduced: issued where the forward ends, waited for last, so
-    # the runner does not stop every rank for a blocking all-reduce after the update
+def test_the_loss_is_reduced_in_the_first_gradient_bucket(plan):
+    # the dp loss leaves the step reduced, but not by a call of its own (nor by a blocking
+    # all-reduce in the runner after the update): only the step's output reads it, so it rides
+    # in the first gradient bucket, issued in the backward and waited for before the update
     ins = _program(plan)
     loss = plan.stages[0].loss
     w = next(j for j, i in enumerate(ins) if loss in i.outs)
-    assert ins[w].op == WAIT and w == len(ins) - 1
+    assert ins[w].op == WAIT and len(ins[w].outs) > 1
     k = next(k for k, i in enumerate(ins) if i.op == ISSUE and i.outs[0] == ins[w].args[0].ref)
+    buckets = [j for j, i in enumerate(ins) if i.op == ISSUE and i.kwargs["kind"] == "all_reduce_coalesced"]
     first_bwd = next(j for j, i in enumerate(ins) if i.role == "bwd")
-    assert ins[k].kwargs["kind"] == "all_reduce" and k < first_bwd
+    assert k == buckets[0] and k > first_bwd
+    assert not [i for i in ins if i.op == ISSUE and i.kwargs["kind"] == "all_reduce"]  # no loss call of its own
+    update = next(j for j, i in enumerate(ins) if i.op == "aten._fused_adamw_.default")
+    assert w < update
     # only the step's output reads the reduced loss: the backward starts from the partial one
     assert not any(loss in {a.ref for a in _refs(i.args)} for i in ins)
-    assert ins[w].types[0].sbp and not any("P" in s for s in ins[w].types[0].sbp), ins[w].types[0]
+    t = ins[w].types[ins[w].outs.index(loss)]
+    assert t.shape == [] and t.sbp and not any("P" in s for s in t.sbp), t
 
 
 def test_only_what_serves_one_gradient_is_priced_as_a_bucket_member():

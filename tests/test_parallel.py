@@ -82,8 +82,9 @@ def test_data_parallel_reduces_each_gradient_once():
     # activations the cost model rightly gathers activations instead of reducing gradients.
     plan = _plan("examples/gpt.py", "2x1", batch=16, hidden=256, heads=4, vocab=256)
     cs = _moving(plan)
+    loss = [c for c in cs if c.value == plan.stages[0].loss.removesuffix("_all_reduce")]
     # one all-reduce per parameter gradient (possibly of its transpose: same bytes) ...
-    grad_reductions = [c for c in cs if c.role in ("bwd", "opt")]
+    grad_reductions = [c for c in cs if c.role in ("bwd", "opt") and c not in loss]
     assert {(c.axis, c.kind) for c in grad_reductions} == {("dp", "all_reduce")}
     param_bytes = Counter(4 * _numel(p.shape) for p in plan.params)
     assert Counter(c.nbytes for c in grad_reductions) == param_bytes
@@ -92,9 +93,8 @@ def test_data_parallel_reduces_each_gradient_once():
     # targets, so it is either the 0-dim count all-reduced or the 1-byte-per-token mask of kept
     # targets all-gathered: one call each, and with 2048 tokens the gather saves a ring step.
     # The loss itself (this shard's sum over the global count) is reduced once, in the step:
-    # the one 4-byte all-reduce of the loss value.
+    # the one 4-byte all-reduce of the loss value, a member of the first gradient bucket.
     others = [c for c in cs if c.role == "fwd"]
-    loss = [c for c in others if c.value == plan.stages[0].loss.removesuffix("_all_reduce")]
     count = [c for c in others if c not in loss]
     assert [(c.kind, c.nbytes, c.axis) for c in loss] == [("all_reduce", 4, "dp")], others
     assert len(count) == 1 and count[0].axis == "dp", others

@@ -81,9 +81,10 @@ def test_selective_recomputes_the_attention_core_of_an_explicit_softmax():
     assert sorted(layers) == ["model.transformer.h.0", "model.transformer.h.1"]
     for ops in layers.values():
         # q @ k^T, its view, the scale, the mask add, softmax, and the expand/view the matmul with v reads
-        # (views are reshapes after localize)
+        # (views are reshapes after localize; the redone mask add writes over the scaled scores,
+        # which die there: the inplace pass's backward add_)
         assert ops == Counter({"aten.bmm.default": 1, "aten.reshape.default": 2, "aten.mul.Tensor": 1,
-                               "aten.add.Tensor": 1, "aten._softmax.default": 1, "aten.expand.default": 1})
+                               "aten.add_.Tensor": 1, "aten._softmax.default": 1, "aten.expand.default": 1})
     # matmul outputs (the linear layers) are kept, and so are their tp all-reduces
     assert not any(n.op in ("aten.addmm.default", "aten.mm.default") or n.op.startswith("sbpc.all_") for n in clones)
     assert sel.plan.estimates.peak_activation_bytes < none.plan.estimates.peak_activation_bytes

@@ -139,10 +139,11 @@ def test_llama_megatron_reduces_no_norm_weight_gradient():
     cs = [c for c in collectives(plan) if c.moves_data]
     activation = BATCH * LLAMA_MID["seq"] * LLAMA_MID["hidden"] * 4  # the residual stream, whole
     # vocab-parallel cross-entropy: the logits stay split; max and sum forward, one sum backward,
-    # and the loss (each rank's share of the target logits) reduced in the step, as one scalar;
-    # and nothing else (no norm weight's gradient of hidden floats)
+    # and the loss (each rank's share of the target logits) reduced in the step, as one scalar
+    # riding in the backward's first all-reduce on tp (coalesce); and nothing else (no norm
+    # weight's gradient of hidden floats)
     loss = plan.stages[0].loss.removesuffix("_all_reduce")
-    assert [(c.kind, c.role, c.nbytes) for c in cs if c.value == loss] == [("all_reduce", "fwd", 4)], cs
+    assert [(c.kind, c.role, c.nbytes) for c in cs if c.value == loss] == [("all_reduce", "bwd", 4)], cs
     small = Counter((c.role, c.nbytes) for c in cs if c.nbytes != activation and c.value != loss)
     tokens = BATCH * LLAMA_MID["seq"]
     assert small == {("fwd", tokens * 4): 2, ("bwd", tokens * 4): 1}, small

@@ -12,6 +12,11 @@ import torch
 from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 from sbpc.runtime.rng import RANDOM_SHARD
 
+# a backward's gradient accumulation (two contributions to one gradient summed) and the
+# in-place form the inplace pass gives it where the first contribution dies there
+ACCUMULATE = "aten.add.Tensor"
+ACCUMULATE_IN_PLACE = "aten.add_.Tensor"
+
 
 @lru_cache(maxsize=None)
 def is_mutating(op: str) -> bool:

@@ -2,13 +2,14 @@
 
 Invariants: SSA (one definition per value, defined before use), one type per result, exactly
 one loss, gradients and updates name real params/states, outside the init region no mutation
-but of a value nothing reads later (the inplace pass's overwrites of dead optimizer values),
+but of a value nothing reads later (the inplace pass's overwrites of dead optimizer values and
+of the backward's dying gradient contributions),
 placement all-or-nothing, and each nd-SBP has one entry per non-pp mesh axis with split dims
 inside the tensor's rank.
 """
 from __future__ import annotations
 
-from sbpc.compiler.ir.aten import is_mutating, overwritten
+from sbpc.compiler.ir.aten import ACCUMULATE_IN_PLACE, is_mutating, overwritten
 from sbpc.compiler.ir.types import Role, Graph, InputKind, Node, OutputKind
 from sbpc.runtime.kinds import Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import TRANSFER
@@ -53,10 +54,12 @@ def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutat
 
 
 def _update_overwrite(n: Node, foreign: set[str]) -> bool:
-    """The one mutation a step may hold: an optimizer op overwriting values the step owns (not a
-    batch or a buffer); ``_verify_overwrites`` checks that nothing reads them afterwards."""
+    """The mutations a step may hold (the ``inplace`` pass makes them): an optimizer op, or a
+    backward gradient accumulation (``add_``), overwriting values the step owns (not a batch or
+    a buffer); ``_verify_overwrites`` checks that nothing reads them afterwards."""
     over = overwritten(n)
-    return n.role == Role.OPTIMIZER and bool(over) and not foreign.intersection(over)
+    role = n.role == Role.OPTIMIZER or (n.role == Role.BACKWARD and n.op == ACCUMULATE_IN_PLACE)
+    return role and bool(over) and not foreign.intersection(over)
 
 
 def _verify_overwrites(graph: Graph, where: str) -> None:

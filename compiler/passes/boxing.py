@@ -10,9 +10,10 @@ propagation's memory term says so of, ``Graph.regather``, are converted again in
 rather than kept from the forward to the backward). Updated parameters and optimizer state are converted back
 to their input layout at the end of the step. ``sbpc.hint`` ops, their job done, disappear.
 A partial loss of a one-task plan (the global mean of a data-parallel step, summed over dp) is
-reduced right where it is made and leaves the step reduced: the overlap pass then issues that
-all-reduce at the end of the forward and waits for it at the end of the step, where the runner
-would otherwise stop every rank for a blocking all-reduce after the update.
+reduced right where it is made and leaves the step reduced: ``coalesce`` then puts that
+all-reduce in the first gradient bucket (nothing in the step reads it; where there is no bucket
+the overlap pass issues it at the end of the forward and waits for it at the end of the step),
+where the runner would otherwise stop every rank for a blocking all-reduce after the update.
 
 Memory is part of the placement (``--offload optimizer`` puts the optimizer on the host): where
 a consumer's memory is not its input's, a ``to_host`` or ``to_device`` transfer joins the

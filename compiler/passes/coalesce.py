@@ -10,6 +10,9 @@ was, and the ops that already used an earlier member's result (a transpose of a 
 gradient, ...) move after it with everything that depends on them. Every tensor is still
 converted exactly once; gradients live until their bucket is reduced, as in DDP. The
 forward and backward gathers of ZeRO-3 parameters are left alone: each is needed right away.
+A forward all-reduce that only the step's outputs read (a one-program plan's loss, reduced
+for the runner) joins the first bucket of its key: nothing in the step waits for it, so it
+costs one element of that call instead of a call of its own.
 """
 from __future__ import annotations
 
@@ -41,9 +44,11 @@ class Coalesce:
     def apply(self, graph: Graph, ctx) -> Graph:
         nodes = list(graph.nodes)
         groups: dict[tuple, list[int]] = {}
+        unread = _read_by_no_node(graph)
         for i, n in enumerate(nodes):
             kind = Collective.of(n.op)
-            if kind in _FUSED and n.role in _FUSED[kind] and n.kwargs.get("axis") != MICROBATCH:
+            rides = kind == Collective.ALL_REDUCE and n.role == Role.FORWARD and unread.issuperset(n.outputs)
+            if kind in _FUSED and (n.role in _FUSED[kind] or rides) and n.kwargs.get("axis") != MICROBATCH:
                 # a per-micro-batch reduction (an activation's gradient) never shares a bucket
                 # with a once-per-step one (an accumulated weight gradient)
                 key = (kind, n.kwargs.get("axis"), n.kwargs.get("reduce", "sum"), n.types[0].dtype, n.stage,
@@ -115,6 +120,16 @@ def _fuse(ns: list[Node]) -> Node:
                    kwargs=kwargs, types=[n.types[0] for n in ns], sbp=[n.sbp[0] for n in ns] if last.sbp else None,
                    sbp_in=[n.sbp_in[0] for n in ns] if last.sbp_in else None,
                    why=f"{len(ns)} {kind.value}s of the {last.role.value} phase fused into one call")
+
+
+def _read_by_no_node(graph: Graph) -> set[str]:
+    """Values only the step's outputs read (the loss the runner reports): reduced in the first
+    gradient bucket instead of a call of their own, since nothing in the step waits for them.
+    None in a pipelined plan, whose loss is a per-micro-batch sum."""
+    if graph.schedule is not None:
+        return set()
+    read = {u for n in graph.nodes for u in n.uses()}
+    return {o.value for o in graph.outputs} - read
 
 
 def per_microbatch(mesh: Mesh, n: Node) -> bool:

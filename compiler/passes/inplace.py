@@ -12,8 +12,14 @@ written over the input, and torch's CPU ``_foreach_*`` kernels loop over the ten
 those same single-tensor kernels, so the plan's numbers do not change in a bit. (On CUDA the
 foreach kernels are fused multi-tensor kernels; a CUDA backend re-checks them.)
 
+The backward's gradient accumulations (``add`` of two contributions to one gradient, a
+residual's two paths) of a one-program plan are overwritten the same way, as autograd's input
+buffer sums in place: into the first operand, or the second with the two swapped where only
+that one dies there (``a + b == b + a`` bit for bit).
+
 When an op may overwrite its first input ``x``:
-- it is an optimizer op with an in-place variant, of the same shape and dtype as ``x``;
+- it is an optimizer op with an in-place variant, or such an accumulation (no ``alpha``), of
+  the same shape and dtype as ``x``;
 - ``x`` is a storage the step owns: a PARAM or STATE input (the runtime replaces those by the
   update) or the fresh result of a non-view aten op, never a view, a batch, a buffer or the
   result of an ``sbpc.*`` op (a collective on a one-device axis returns its input);
@@ -47,7 +53,7 @@ from typing import Any, ClassVar
 
 import networkx as nx
 
-from sbpc.compiler.ir.aten import overwritten, returns_alias
+from sbpc.compiler.ir.aten import ACCUMULATE, overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.passes.schedule import execution_positions, node_tasks
@@ -181,14 +187,24 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
         members.setdefault(store.find(v), set()).add(v)
     nodes = []
     for idx, n in enumerate(graph.nodes):
-        x = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
-        op = _inplace_variant(n.op) if n.role == Role.OPTIMIZER and x is not None else None
-        s = store.find(x) if op else None
-        st = where.stage[idx]
-        if (op and len(n.outputs) == 1 and types[x] == n.types[0] and x in store.owned
-                and members[s].isdisjoint(shared) and not reads[s].sent
-                and reads[s].last.get(st) == where.position[idx]
-                and all(store.find(u) != s for u in list(n.uses())[1:])):
+        st, at = where.stage[idx], where.position[idx]
+
+        def free(x: str) -> bool:
+            """``x``'s storage may take ``n``'s result: owned, same type, read last here, not sent,
+            not a graph output (nor anything sharing it), not another operand of ``n``."""
+            s = store.find(x)
+            return (types[x] == n.types[0] and x in store.owned and members[s].isdisjoint(shared)
+                    and not reads[s].sent and reads[s].last.get(st) == at
+                    and sum(store.find(u) == s for u in n.uses()) == 1)
+
+        if not _may_overwrite(n, graph) or len(n.outputs) != 1 or not n.args or not isinstance(n.args[0], Ref):
+            nodes.append(n)
+            continue
+        if n.role == Role.BACKWARD and not free(n.args[0].name) and free(n.args[1].name):
+            n = replace(n, args=(n.args[1], n.args[0]))  # an accumulation: a + b == b + a bit for bit
+        x, op = n.args[0].name, _inplace_variant(n.op)
+        if op and free(x):
+            s = store.find(x)
             n = replace(n, op=op)
             out = store.find(n.outputs[0])
             store.add(n)  # from here on the result is x's storage
@@ -197,6 +213,14 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             members[merged] = members.pop(s) | members.pop(out, set())
         nodes.append(n)
     return nodes
+
+
+def _may_overwrite(n: Node, graph: Graph) -> bool:
+    """Optimizer ops, and the backward's gradient accumulations (``add`` of two contributions to
+    one gradient, which autograd's input buffer sums in place) of a one-program plan."""
+    return n.role == Role.OPTIMIZER or (n.role == Role.BACKWARD and n.op == ACCUMULATE and not n.kwargs
+                                        and len(n.args) == 2 and all(isinstance(a, Ref) for a in n.args)
+                                        and graph.schedule is None)
 
 
 @lru_cache(maxsize=None)
