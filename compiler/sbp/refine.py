@@ -35,8 +35,10 @@ def refine_ops(st: SolverState) -> bool:
 def refine_values(st: SolverState, flood: bool = False) -> bool:
     """Joint moves: all consumers of one value switch to taking it in one layout together.
     Single-op moves cannot leave a state where two consumers share one collective (a
-    residual feeding both a layer norm and an add); this move can. When the switch alone does
-    not pay, each result it changed is flooded downstream (``_flood``), one at a time: a
+    residual feeding both a layer norm and an add); this move can. With ``flood`` (the solver
+    asks for it only when the other moves are stuck: it is the costliest to try), when the
+    switch alone does not pay, each result it changed is flooded downstream (``_flood``), one
+    at a time, and the whole kept if the total drops: a
     gathered weight that both phases read (Megatron's row-parallel c_proj computed whole,
     its backward slicing rows and all-to-all-ing the heads back) is undone only together with
     the chain of views that then carries the heads' split to the attention's backward."""
