@@ -126,6 +126,17 @@ def test_megatron_tensor_parallel_counts():
     assert spec["h.0.attn.c_attn.weight"] == ["B", "S(0:3)"]
 
 
+def test_megatron_small_hidden_counts():
+    # bench/tp_vs_dtensor.py's mid config (hidden 128, 1024 tokens): the search used to stop with
+    # attn.c_proj computed whole (its input and weight gathered, the backward's heads
+    # all-to-all'd back), though Megatron's all-reduce after it costs less under the same model
+    # (docs/parallel.md, the joint move's flood). Per layer: Megatron's 2 + 2 all-reduces only.
+    plan = _plan("examples/gpt.py", "1x2", "examples/gpt.megatron.toml", batch=16, hidden=128, heads=4, vocab=256,
+                 seq=64, layers=2)
+    per_layer = Counter((_layer(c.module), c.kind, c.role) for c in _moving(plan) if _layer(c.module) is not None)
+    assert per_layer == Counter({(l, "all_reduce", r): 2 for l in ("0", "1") for r in ("fwd", "bwd")}), per_layer
+
+
 @pytest.mark.parametrize("priced", [False, True])
 def test_sequence_parallel_counts(priced):
     from sbpc.compiler.passes import default_pipeline

@@ -32,10 +32,16 @@ def refine_ops(st: SolverState) -> bool:
     return changed
 
 
-def refine_values(st: SolverState) -> bool:
+def refine_values(st: SolverState, flood: bool = False) -> bool:
     """Joint moves: all consumers of one value switch to taking it in one layout together.
     Single-op moves cannot leave a state where two consumers share one collective (a
-    residual feeding both a layer norm and an add); this move can."""
+    residual feeding both a layer norm and an add); this move can. With ``flood`` (the solver
+    asks for it only when the other moves are stuck: it is the costliest to try), when the
+    switch alone does not pay, each result it changed is flooded downstream (``_flood``), one
+    at a time, and the whole kept if the total drops: a
+    gathered weight that both phases read (Megatron's row-parallel c_proj computed whole,
+    its backward slicing rows and all-to-all-ing the heads back) is undone only together with
+    the chain of views that then carries the heads' split to the attention's backward."""
     changed = False
     for v, idxs in st.consumers.items():
         if len(idxs) < 2:
@@ -49,7 +55,7 @@ def refine_values(st: SolverState) -> bool:
             if all(st.cands[i][st.choice[i]].ins[p] == t for i in idxs
                    for p, u in enumerate(st.uses[i]) if u == v):
                 continue
-            changed |= _try_joint(st, v, t, idxs)
+            changed |= _try_joint(st, v, t, idxs, flood)
     return changed
 
 
@@ -181,23 +187,66 @@ def _try_cascade(st: SolverState, idx: int, ci: int, budget: int) -> bool:
     return _keep_if_cheaper(st, saved)
 
 
-def _try_joint(st: SolverState, v: str, t: NdSbp, idxs: list[int]) -> bool:
+def _try_joint(st: SolverState, v: str, t: NdSbp, idxs: list[int], flood: bool, budget: int = 24) -> bool:
     touched = {u for i in idxs for u in st.uses[i]} | {o for i in idxs for o in st.graph.nodes[i].outputs}
     before = st.cost_of(idxs, touched)
-    saved = [st.choice[i] for i in idxs]
+    saved = {i: st.choice[i] for i in idxs}
+    outs = {o: st.sbp[o] for i in idxs for o in st.graph.nodes[i].outputs}
+    if not _switch(st, v, t, idxs):
+        _restore(st, saved)
+        return False
+    if st.cost_of(idxs, touched) < before * (1 - 1e-9):
+        return True
+    changed = [o for o, old in outs.items() if st.sbp[o] != old] if flood else []
+    _restore(st, saved)
+    for o in changed:
+        _switch(st, v, t, idxs)
+        flooded = dict(saved)
+        _flood(st, {o: st.sbp[o]}, flooded, budget)
+        if _keep_if_cheaper(st, flooded):
+            return True
+    return False
+
+
+def _switch(st: SolverState, v: str, t: NdSbp, idxs: list[int]) -> bool:
+    """Every op of ``idxs`` takes ``v`` as ``t``, each in its cheapest such signature (False: one has none)."""
     for i in idxs:
         ok = [ci for ci in st.options(i)
               if all(st.cands[i][ci].ins[p] == t for p, u in enumerate(st.uses[i]) if u == v)]
         if not ok:
-            for j, ci in zip(idxs, saved):
-                st.choose(j, ci)
             return False
         st.choose(i, min(ok, key=lambda ci: (round(st.local_cost(i, st.cands[i][ci]), 15), ci)))
-    if st.cost_of(idxs, touched) < before * (1 - 1e-9):
-        return True
-    for j, ci in zip(idxs, saved):
-        st.choose(j, ci)
-    return False
+    return True
+
+
+def _restore(st: SolverState, saved: dict[int, int]) -> None:
+    for i, ci in saved.items():
+        st.choose(i, ci)
+
+
+def _flood(st: SolverState, made: dict[str, NdSbp], saved: dict[int, int], budget: int) -> None:
+    """The readers of the values in ``made`` (value -> its new layout) take them as they are,
+    each in its cheapest signature that does, and so on downstream with the results that
+    change, at most ``budget`` ops; ``saved`` gets each changed op's choice before. Single
+    steps along such a chain cost the same (the conversion one op later), so only the whole
+    flood, priced by the caller, shows where the conversion disappears."""
+    queue = [m for o in made for m in _readers(st, o)]
+    while queue and len(saved) < budget:
+        m = queue.pop(0)
+        if m in saved:
+            continue
+        fit = [ci for ci in st.options(m)
+               if all(st.cands[m][ci].ins[p] == made[u] for p, u in enumerate(st.uses[m]) if u in made)]
+        if not fit or st.choice[m] in fit:
+            continue
+        best = min(fit, key=lambda ci: (round(st.local_cost(m, st.cands[m][ci]), 15), ci))
+        before = [st.sbp[o] for o in st.graph.nodes[m].outputs]
+        saved[m] = st.choice[m]
+        st.choose(m, best)
+        for o, old in zip(st.graph.nodes[m].outputs, before):
+            if st.sbp[o] != old:
+                made[o] = st.sbp[o]
+                queue += _readers(st, o)
 
 
 def partials(c: NdSignature) -> int:

@@ -294,7 +294,9 @@ class Solver:
             changed = False
             for a in busy:
                 st.focus = a if len(busy) > 1 else None
-                changed |= refine_ops(st) | refine_values(st) | refine_cascades(st) | refine_hoists(st)
+                moved = refine_ops(st) | refine_values(st) | refine_cascades(st) | refine_hoists(st)
+                # the joint moves' floods are the costliest to try: only where the others are stuck
+                changed |= moved or refine_values(st, flood=True)
             if not changed:
                 break
         st.focus = None
