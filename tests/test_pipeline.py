@@ -222,3 +222,29 @@ def test_a_dead_or_stuck_stage_ends_every_rank_naming_it(pp4_plan, mode):
         launch(4, "test_pipeline:misbehave", {"plan": str(pp4_plan), "victim": 2, "mode": mode, "timeout": 3},
                timeout=3)
     assert time.monotonic() - start < 60
+
+
+def test_accumulate_allocates_once_then_adds_in_place():
+    """The runner's gradient sum over micro-batches: the first result is the sum and is never
+    written (it may share storage with a sent or held value); the second is added out of place
+    into a new tensor, the later ones into that one in place; bit for bit the out-of-place sum."""
+    from sbpc.runtime.pipeline import _accumulate
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(64, 48, generator=gen) for _ in range(5)]
+    first = parts[0].clone()
+    acc: dict = {}
+    owned: set = set()
+    _accumulate(acc, owned, "g", parts[0])
+    assert acc["g"] is parts[0]
+    _accumulate(acc, owned, "g", parts[1])
+    summed = acc["g"]
+    assert summed is not parts[0] and summed.data_ptr() not in {p.data_ptr() for p in parts}
+    for t in parts[2:]:
+        _accumulate(acc, owned, "g", t)
+        assert acc["g"] is summed  # no new tensor a micro-batch
+    expected = parts[0]
+    for t in parts[1:]:
+        expected = expected + t
+    assert torch.equal(acc["g"], expected)
+    assert torch.equal(parts[0], first)
