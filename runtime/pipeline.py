@@ -173,7 +173,7 @@ class PipelineRunner(Runner):
         env.update(zip(body.outputs, outs))
         for v, t in zip(body.outputs, outs):
             if v in self.graph.accumulated:
-                _accumulate(acc, owned, v, t)
+                _accumulate(acc, owned, v, t, v in self.graph.owned)
         return self._send(task, env, local)
 
     def batch_part(self, t: torch.Tensor, i: int) -> torch.Tensor:
@@ -355,15 +355,18 @@ class PipelineRunner(Runner):
         return bool(stages) and stages[0] == self.stage
 
 
-def _accumulate(acc: dict[str, torch.Tensor], owned: set[str], v: str, t: torch.Tensor) -> None:
+def _accumulate(acc: dict[str, torch.Tensor], owned: set[str], v: str, t: torch.Tensor, fresh: bool) -> None:
     """Add a micro-batch's ``t`` into the step's sum of ``v``. The first result itself is the
-    sum; it may share storage with a value still held (a sent activation, a view of another
-    result), so it is never written. The second is added out of place into a new tensor that
-    only ``acc`` holds, and later ones into that in place: one allocation a step instead of
-    m - 1 (torch's AccumulateGrad adds in place too). The same additions in the same order, so
-    the sum is bit for bit the out-of-place one."""
+    sum. ``fresh`` (``TaskGraph.owned``: new storage that nothing but the sum reads) lets the
+    later results be added into it in place, as torch's AccumulateGrad does: no allocation.
+    Otherwise it may share storage with a value still held (a sent activation, a view), so it
+    is never written: the second is added out of place into a new tensor that only ``acc``
+    holds, and later ones into that in place (one allocation a step instead of m - 1). The same
+    additions in the same order: bit for bit the out-of-place sum."""
     if v not in acc:
         acc[v] = t
+        if fresh:
+            owned.add(v)
     elif v in owned:
         acc[v].add_(t)
     else:
