@@ -15,10 +15,11 @@ microbatches=M)``) and saved to a temporary file; then each side runs as its own
             parameters, and the loss broadcast from the last stage, returned as a float.
   pipelining
             torch.manual_seed(0); build_model(); then rank s keeps a stage module holding the
-            same layers the plan put on stage s (read from the plan: wte+wpe and the first
-            blocks on stage 0, the last blocks + ln_f + lm_head on the last stage); a stage
-            module's forward is gpt.py's forward up to the logits (stage 0 takes idx, the
-            others the hidden states). PipelineStage(stage_module, s, P, cpu) (shapes
+            same modules the plan put on stage s, whatever split the compiler chose (read
+            from the plan's task graph: wte+wpe and the first blocks on stage 0, lm_head on
+            the last; ln_f may sit on the stage before lm_head's, as the cost-balanced policy
+            puts it on pp=4); a stage module's forward is gpt.py's forward cut at the stage
+            (stage 0 takes idx, the others the hidden states, the last returns the logits). PipelineStage(stage_module, s, P, cpu) (shapes
             inferred on the first step), Schedule1F1B(stage, n_microbatches=M,
             loss_fn=cross-entropy mean over the micro-batch's tokens) with its default
             scale_grads=True, so the accumulated gradient is that of the mean of the M
@@ -85,10 +86,15 @@ def compile_pp_plan(model: str, sets: list[str], mesh: str, batch_size: int, mic
     return path
 
 
+HEAD = ("ln_f", "lm_head")  # gpt.py's modules after the blocks, in forward order
+
+
 def plan_stages(path: str) -> list[dict]:
     """Which of gpt.py's modules the plan put on each pipeline stage: per stage ``{"embed":
-    bool, "blocks": [i, ...], "head": bool}``. Raises when the split is not one the
-    torch side can reproduce with whole modules in order (e.g. a parameter on two stages)."""
+    bool, "blocks": [i, ...], "ln_f": bool, "lm_head": bool}``, whatever split the compiler's
+    stage policy chose (the head may be cut between ln_f and lm_head). Raises when the split is
+    not one the torch side can reproduce with whole modules in forward order (e.g. a parameter
+    on two stages)."""
     from sbpc.runtime.pipeline import plan_task_graph
     from sbpc.runtime.plan import load_plan
 
@@ -102,7 +108,7 @@ def plan_stages(path: str) -> list[dict]:
         for prm in plan.params:
             if prm.value in body.inputs:
                 where.setdefault(prm.name, set()).add(key[0] % p)
-    stages = [{"embed": False, "blocks": [], "head": False} for _ in range(p)]
+    stages = [{"embed": False, "blocks": [], **{h: False for h in HEAD}} for _ in range(p)]
     for name, chunks in sorted(where.items()):
         if len(chunks) != 1:
             raise ValueError(f"the plan uses parameter {name} on stages {sorted(chunks)}; the torch side cannot split so")
@@ -113,14 +119,20 @@ def plan_stages(path: str) -> list[dict]:
                 stages[s]["blocks"].append(int(m.group(1)))
         elif name.startswith(("wte.", "wpe.")):
             stages[s]["embed"] = True
-        elif name.startswith(("ln_f.", "lm_head.")):
-            stages[s]["head"] = True
+        elif name.split(".")[0] in HEAD:
+            stages[s][name.split(".")[0]] = True
     for st in stages:
         st["blocks"].sort()
-    order = [b for st in stages for b in st["blocks"]]
-    if (not stages[0]["embed"] or not stages[-1]["head"] or order != sorted(order)
-            or any(st["embed"] for st in stages[1:]) or any(st["head"] for st in stages[:-1])):
-        raise ValueError(f"the plan's stage split {stages} is not embeddings first, blocks in order, head last")
+    # every module on exactly one stage, and the stage never decreases along gpt.py's forward
+    sequence = [[s for s, st in enumerate(stages) if st["embed"]]]
+    blocks = sorted(b for st in stages for b in st["blocks"])
+    sequence += [[s for s, st in enumerate(stages) if b in st["blocks"]] for b in blocks]
+    sequence += [[s for s, st in enumerate(stages) if st[h]] for h in HEAD]
+    placed = [s[0] for s in sequence if len(s) == 1]
+    if (len(placed) != len(sequence) or placed != sorted(placed) or blocks != list(range(len(blocks)))
+            or placed[-1] != p - 1):
+        raise ValueError(f"the plan's stage split {stages} is not gpt.py's modules in forward order, "
+                         "each on one stage, the head's last on the last stage")
     return stages
 
 
@@ -128,7 +140,7 @@ def describe_stages(stages: list[dict]) -> str:
     def one(st):
         parts = (["wte+wpe"] if st["embed"] else []) + \
                 ([f"h.{st['blocks'][0]}-{st['blocks'][-1]}" if len(st["blocks"]) > 1 else f"h.{st['blocks'][0]}"]
-                 if st["blocks"] else []) + (["ln_f+lm_head"] if st["head"] else [])
+                 if st["blocks"] else []) + [h for h in HEAD if st[h]]
         return "+".join(parts) or "(empty)"
     return " | ".join(one(st) for st in stages)
 
@@ -147,8 +159,9 @@ def _stage_module(model, spec: dict):
             if spec["embed"]:
                 self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
             self.h = nn.ModuleList(model.h[i] for i in spec["blocks"])
-            if spec["head"]:
-                self.ln_f, self.lm_head = model.ln_f, model.lm_head
+            for h in HEAD:
+                if spec[h]:
+                    setattr(self, h, getattr(model, h))
 
         def forward(self, x):
             if spec["embed"]:  # gpt.py's forward, up to the blocks
@@ -156,8 +169,9 @@ def _stage_module(model, spec: dict):
                 x = self.drop(self.wte(x) + self.wpe(pos))
             for block in self.h:
                 x = block(x)
-            if spec["head"]:
-                x = self.lm_head(self.ln_f(x))
+            for h in HEAD:  # gpt.py: logits = lm_head(ln_f(x))
+                if spec[h]:
+                    x = getattr(self, h)(x)
             return x
 
     return Stage()
@@ -285,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"torch": torch.__version__, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
                        "lr": args.lr, "results": records}, f, indent=1)
         print(f"wrote {args.json}")
+    print(f"ratio={min(r[5] for r in rows if r[2] == 'plan'):.2f}")  # plan/torch steps/s, the worst config
     return 0
 
 

@@ -119,6 +119,7 @@ class PipelineRunner(Runner):
         self.firings: list[Firing] = []
         self.steps = 0
         self._last_of_mb = self._last_tasks()
+        self._stage_cache: dict[str, int] = {}
 
     # ----- one step
     def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
@@ -131,6 +132,7 @@ class PipelineRunner(Runner):
             step_env.update({s.value: group[s.name] for s in specs if s.name in group})
         envs = [self._microbatch(batch, j) for j in range(self.m)]
         acc: dict[str, torch.Tensor] = {}
+        owned: set[str] = set()  # accumulators this step allocated, which it adds into in place
         local: dict[tuple[str, int | None], torch.Tensor] = {}
         sends = []
         posted: dict[tuple[str, int | None], object] = {}
@@ -140,7 +142,7 @@ class PipelineRunner(Runner):
         for k, task in enumerate(self.order):
             start = time.time()
             nxt = self.order[k + 1] if k + 1 < len(self.order) else None
-            sends += self._fire(task, nxt, envs, step_env, acc, local, posted)
+            sends += self._fire(task, nxt, envs, step_env, acc, owned, local, posted)
             if task.mb is not None and self._last_of_mb.get(task.mb) == task:
                 envs[task.mb] = {}  # the micro-batch's regst is free
             self.firings.append(Firing(fmt(task), start, time.time(), self.steps))
@@ -152,7 +154,7 @@ class PipelineRunner(Runner):
             step_env = {**envs[0], **step_env}
         return self._finish(step_env, keep_grads)
 
-    def _fire(self, task: Task, nxt: Task | None, envs, step_env, acc, local, posted) -> list:
+    def _fire(self, task: Task, nxt: Task | None, envs, step_env, acc, owned, local, posted) -> list:
         """Run one task: receive, post the receives of the next task ``nxt``, run its program,
         accumulate, send. A method so that its inputs and results (locals here) die when it
         returns: only the environments, the accumulators, the posted receives and the pending
@@ -170,8 +172,8 @@ class PipelineRunner(Runner):
         outs = self.programs[task.key].run(values)
         env.update(zip(body.outputs, outs))
         for v, t in zip(body.outputs, outs):
-            if v in self.graph.accumulated:  # out of place: the first result itself is the accumulator
-                acc[v] = t if v not in acc else acc[v] + t
+            if v in self.graph.accumulated:
+                _accumulate(acc, owned, v, t, v in self.graph.owned)
         return self._send(task, env, local)
 
     def batch_part(self, t: torch.Tensor, i: int) -> torch.Tensor:
@@ -266,7 +268,10 @@ class PipelineRunner(Runner):
         return float(self.backend.communicator.broadcast(value.detach().reshape(()).to(torch.float64), owner))
 
     def _stage_of(self, name: str) -> int:
-        return next(prog.stage for prog in self.plan.stages for ins in prog.instructions if name in ins.outs) % self.p
+        if name not in self._stage_cache:  # the loss and metrics, every step: the scan runs once
+            self._stage_cache[name] = next(prog.stage for prog in self.plan.stages for ins in prog.instructions
+                                           if name in ins.outs) % self.p
+        return self._stage_cache[name]
 
     def _collect(self, values: dict[str, tuple]) -> dict[str, torch.Tensor] | None:
         """Logical tensors of the named values, on rank 0: each stage gathers what it made
@@ -348,6 +353,25 @@ class PipelineRunner(Runner):
     def _first_holder(self, value: str) -> bool:
         stages = sorted({key[0] % self.p for key, b in self.graph.bodies.items() if value in b.inputs})
         return bool(stages) and stages[0] == self.stage
+
+
+def _accumulate(acc: dict[str, torch.Tensor], owned: set[str], v: str, t: torch.Tensor, fresh: bool) -> None:
+    """Add a micro-batch's ``t`` into the step's sum of ``v``. The first result itself is the
+    sum. ``fresh`` (``TaskGraph.owned``: new storage that nothing but the sum reads) lets the
+    later results be added into it in place, as torch's AccumulateGrad does: no allocation.
+    Otherwise it may share storage with a value still held (a sent activation, a view), so it
+    is never written: the second is added out of place into a new tensor that only ``acc``
+    holds, and later ones into that in place (one allocation a step instead of m - 1). The same
+    additions in the same order: bit for bit the out-of-place sum."""
+    if v not in acc:
+        acc[v] = t
+        if fresh:
+            owned.add(v)
+    elif v in owned:
+        acc[v].add_(t)
+    else:
+        acc[v] = acc[v] + t
+        owned.add(v)
 
 
 def _program(instructions: list[Instruction], body: Body, backend: Backend) -> Program:

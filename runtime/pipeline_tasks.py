@@ -104,6 +104,7 @@ class TaskGraph:
             for o in it.outs:
                 self.producer[o] = key
         self.accumulated = {it.uses[0] for it in items if it.op == ACCUMULATE}
+        self.owned = _owned_results(items, self.accumulated, set(step_outputs))
         self.sends: dict[tuple[int, str, int], list[Send]] = {}
         for tag, it in enumerate(i for i in items if i.op == TRANSFER):
             src = self.producer.get(it.uses[0])
@@ -173,6 +174,27 @@ class TaskGraph:
             out += [Task(chunk, phase, j) for j in range(self.m)] if phase in PER_MICROBATCH \
                 else [Task(chunk, phase, None, part)]
         return out
+
+
+def _owned_results(items: list[Item], accumulated: set[str], step_outputs: set[str]) -> set[str]:
+    """The accumulated values whose first micro-batch's result the sum may take over and add
+    the later ones into in place (as torch's AccumulateGrad steals a gradient): made by an
+    out-of-place ATen kernel whose schema says its result is new storage (no view, no in-place
+    op), and read by nothing but their accumulation (not sent, no view of them, no step output)."""
+    from sbpc.runtime.backend import torch_op
+
+    made = {o: it.op for it in items for o in it.outs}
+    others = {u for it in items if it.op != ACCUMULATE for u in it.uses}
+    out = set()
+    for v in accumulated - others - step_outputs:
+        overload = torch_op(made.get(v, ""))
+        if (overload is not None and not overload._schema.is_mutable and made[v] not in _UNMARKED_VIEWS
+                and all(r.alias_info is None for r in overload._schema.returns)):
+            out.add(v)
+    return out
+
+
+_UNMARKED_VIEWS = frozenset({"aten._unsafe_view.default"})  # a view although its schema says nothing
 
 
 def replay(graph: TaskGraph, order: list[list[Task]], device_of) -> None:

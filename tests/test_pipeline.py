@@ -222,3 +222,48 @@ def test_a_dead_or_stuck_stage_ends_every_rank_naming_it(pp4_plan, mode):
         launch(4, "test_pipeline:misbehave", {"plan": str(pp4_plan), "victim": 2, "mode": mode, "timeout": 3},
                timeout=3)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["shared", "owned"])
+def test_accumulate_adds_in_place(fresh):
+    """The runner's gradient sum over micro-batches, bit for bit the out-of-place sum. A first
+    result that may share storage (``fresh`` False) is never written: the second is added out
+    of place into a new tensor, the later ones into that one in place. One that only the sum
+    reads (``TaskGraph.owned``) is the sum itself: every later result is added into it."""
+    from sbpc.runtime.pipeline import _accumulate
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(64, 48, generator=gen) for _ in range(5)]
+    expected = parts[0]
+    for t in parts[1:]:
+        expected = expected + t
+    first = parts[0].clone()
+    acc: dict = {}
+    owned: set = set()
+    _accumulate(acc, owned, "g", parts[0], fresh)
+    assert acc["g"] is parts[0]
+    _accumulate(acc, owned, "g", parts[1], fresh)
+    summed = acc["g"]
+    assert (summed is parts[0]) == fresh
+    for t in parts[2:]:
+        _accumulate(acc, owned, "g", t, fresh)
+        assert acc["g"] is summed  # no new tensor a micro-batch
+    assert torch.equal(acc["g"], expected)
+    if not fresh:
+        assert torch.equal(parts[0], first)
+
+
+def test_owned_accumulated_values():
+    """Only a value made as new storage and read by nothing but its accumulation is summed in
+    place over its first result: not a view, not one another op reads, not an in-place result."""
+    from sbpc.runtime.pipeline_tasks import ACCUMULATE, Item, TaskGraph
+
+    items = [Item(0, "aten.mm.default", ("g",), ("x", "y"), "bwd", 0),
+             Item(1, "aten.t.default", ("v",), ("g2",), "bwd", 0),
+             Item(2, "aten.mm.default", ("g2",), ("x", "y"), "bwd", 0),
+             Item(3, "aten.mm.default", ("g3",), ("x", "y"), "bwd", 0),
+             Item(4, "aten.neg.default", ("n",), ("g3",), "bwd", 0),
+             Item(5, "aten.add_.Tensor", ("g4",), ("x", "y"), "bwd", 0),
+             *(Item(6 + k, ACCUMULATE, (f"{v}_acc",), (v,), "opt", 0) for k, v in enumerate(["g", "v", "g3", "g4", "n"]))]
+    graph = TaskGraph(items, ["g_acc", "v_acc", "g3_acc", "g4_acc", "n_acc"], 4)
+    assert graph.owned == {"g", "n"}

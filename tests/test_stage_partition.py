@@ -105,9 +105,19 @@ def check_rules(g: Graph, chunks: int) -> None:
             if n.role == Role.FORWARD:
                 first.setdefault(u, n.stage)
     params = {i.name: i.value for i in g.inputs_of(InputKind.PARAM)}
+    hyper_made = {i.value for i in g.inputs_of(InputKind.HYPER)}  # and what is computed from them alone
     for n in g.nodes:
+        if n.role == Role.OPTIMIZER and all(u in hyper_made for u in n.uses()):
+            hyper_made.update(n.outputs)
+            continue  # shared by every parameter (cse): on each chunk that reads it, checked below
         if n.role == Role.OPTIMIZER and n.loc is not None and n.loc.module + ".weight" in params:
             assert n.stage == first[params[n.loc.module + ".weight"]], n
+    # an op computed from hyperparameters alone is never read on another chunk (it is copied there)
+    made = {o: n for n in g.nodes for o in n.outputs}
+    for n in g.nodes:
+        for u in n.uses():
+            if u in hyper_made and u in made:
+                assert made[u].stage == n.stage, (made[u], n)
 
 
 def most_expensive(g: Graph, chunks: int) -> tuple[float, float, float]:

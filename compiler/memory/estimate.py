@@ -16,8 +16,9 @@ the run, not a formula:
   received values join the environment; a value sent to another stage is kept by its send
   until the step ends (the runner waits for its sends then); the next task's receives are
   posted (their buffers allocated) before a task runs; an accumulated value (a weight
-  gradient) is its first firing's result, later ones are added out of place right after their
-  task; inside a task, values die after their last use there, and a result nobody reads lives
+  gradient) is its first firing's result, and later ones are added into it in place when it
+  is new storage that only the sum reads; otherwise the second is added out of place right
+  after its task, later ones in place into that sum; inside a task, values die after their last use there, and a result nobody reads lives
   until the task returns.
 
 ZeRO (SBP of parameters and state), recompute (the graph), precision (dtypes) and optimizer
@@ -381,6 +382,7 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     persistent_keys = {(r, None) for r in persistent}
     step_env: set[tuple] = set()
     accs: set[tuple] = set()
+    summed: set[tuple] = set()  # accumulators the runner allocated (a second firing's sum), added into in place
     pending: set[tuple] = set()  # sent to another stage: the send keeps it until the step ends
     profiles: dict[tuple, _TaskProfile] = {}
     started: set[int] = set()
@@ -420,10 +422,15 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
         terms = _add(between, prof.terms)
         peak.offer(base + prof.peak, terms, fmt(task), in_flight)
         # the runner accumulates after the task, its results still in the environment: a first
-        # firing's result becomes the accumulator (one storage, held once a step from now on); a
-        # later one is added out of place, the old and the new sum alive together, one at a time
+        # firing's result becomes the accumulator (one storage, held once a step from now on);
+        # later ones are added into it in place where it is new storage nothing else reads
+        # (tg.owned), else the second out of place (the old and the new sum alive together, one
+        # at a time) and the later ones into that new sum in place
         firsts = {o for o in body.outputs if o in acc_of and (store.root[acc_of[o]], None) not in accs}
-        adds = [store.store[store.root[acc_of[o]]].nbytes for o in body.outputs if o in acc_of and o not in firsts]
+        seconds = [o for o in body.outputs if o in acc_of and o not in firsts and o not in tg.owned
+                   and (store.root[acc_of[o]], None) not in summed]
+        adds = [store.store[store.root[acc_of[o]]].nbytes for o in seconds]
+        summed |= {(store.root[acc_of[o]], None) for o in seconds}
         if adds:
             peak.offer(base + prof.end + max(adds), _add(between, prof.end_terms, {Term.GRADS: max(adds)}), fmt(task),
                        in_flight)

@@ -9,7 +9,9 @@ into contiguous groups. The rules every result obeys, and ``check_stages`` enfor
 - the loss is in the last chunk;
 - a backward op is in the chunk of the forward op it differentiates (the one with its source
   line), and along a backward edge the chunk never increases;
-- an optimizer op is in the chunk of its parameter (that of the parameter's first reader);
+- an optimizer op is in the chunk of its parameter (that of the parameter's first reader); one
+  computed from hyperparameters alone (the SGD step's -lr, which cse merged for every parameter)
+  runs on every chunk that reads it, a copy per chunk, instead of being sent (``per_chunk_hyper_ops``);
 - an op that depends on no batch input (a weight transpose, a constant) goes with its first
   reader; a parameter read in several chunks (tied weights) is allowed, see ``param_chunks``.
 """
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
+from sbpc.compiler.ir.aten import is_mutating, is_random
+from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role, rename_uses
 from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, dependences,
                                                     first_readers, in_flight, layer_key, optimizer_owners,
                                                     place_backward, profile)
@@ -45,6 +48,7 @@ class StagePartition:
         chunks = graph.mesh.size("pp") * self.virtual_stages
         stages = assign_stages(graph, chunks, self.policy, self.microbatches)
         out = replace(graph, nodes=[replace(n, stage=s) for n, s in zip(graph.nodes, stages)])
+        out = per_chunk_hyper_ops(out)
         check_stages(out, chunks)
         return out
 
@@ -98,6 +102,52 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
         if stage[i] is None:
             stage[i] = min((stage[r] for r in readers[i] if stage[r] is not None), default=0)
     return stage
+
+
+def per_chunk_hyper_ops(graph: Graph) -> Graph:
+    """Each optimizer op computed from hyperparameters and constants alone, placed, runs on every
+    chunk that reads it: a copy per further chunk (results renamed ``<value>_chunk<c>``, right
+    after the original, which moves to a reading chunk). Sent instead, it made every later
+    stage's update wait in the ``opt`` phase for the first stage's, which under 1F1B finishes
+    its backward last, and the step's loss, broadcast from the last stage, waited for both."""
+    hyper = {i.value for i in graph.inputs_of(InputKind.HYPER)}
+    nodes = graph.nodes
+    producer = graph.producers()
+    pure = [False] * len(nodes)
+    for k, n in enumerate(nodes):
+        pure[k] = (n.role == Role.OPTIMIZER and bool(n.outputs) and not is_random(n.op) and not is_mutating(n.op)
+                   and all(u in hyper or (u in producer and pure[producer[u]]) for u in n.uses()))
+    # the chunks that read each pure op's results (a step output: its own chunk too)
+    results = {o.value for o in graph.outputs}
+    need = [{n.stage} if pure[k] and set(n.outputs) & results else set() for k, n in enumerate(nodes)]
+    for k in reversed(range(len(nodes))):  # a pure op's readers come after it: its need is complete
+        for u in nodes[k].uses():
+            p = producer.get(u)
+            if p is not None and pure[p]:
+                need[p] |= need[k] if pure[k] else {nodes[k].stage}
+    if not any(len(need[k] - {nodes[k].stage}) for k in range(len(nodes)) if pure[k]):
+        return graph
+    taken = set(producer) | hyper | {i.value for i in graph.inputs}
+    name: dict[tuple[str, int], str] = {}  # (value, chunk) -> the chunk's copy of a pure value
+    out: list[Node] = []
+    for k, n in enumerate(nodes):
+        if not pure[k]:
+            out.append(rename_uses(n, lambda v: name.get((v, n.stage), v)))
+            continue
+        home = n.stage if n.stage in need[k] or not need[k] else min(need[k])
+        for c in sorted({home} | need[k]):
+            outs = n.outputs if c == home else [_fresh(f"{o}_chunk{c}", taken) for o in n.outputs]
+            name.update(((o, c), new) for o, new in zip(n.outputs, outs) if c != home)
+            out.append(replace(rename_uses(n, lambda v: name.get((v, c), v)), outputs=outs, stage=c))
+    return replace(graph, nodes=out)
+
+
+def _fresh(want: str, taken: set[str]) -> str:
+    name, i = want, 1
+    while name in taken:
+        name, i = f"{want}_{i}", i + 1
+    taken.add(name)
+    return name
 
 
 def _hints(graph: Graph, chunks: int, producer: dict[str, int]) -> list[int | None]:
