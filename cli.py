@@ -8,8 +8,8 @@ import os
 import sys
 
 from sbpc.errors import UsageError, guarded_main
-from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, run_command,
-                              schedule_of)
+from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, leave,
+                              run_command, schedule_of)
 from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
 from sbpc.runtime.kinds import Precision
 from sbpc.compiler.tools.compile_flags import add_model_arguments, compile_from_args, memory_options_of
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return guarded_main(lambda: args.fn(args), args.debug)
+    return leave(guarded_main(lambda: args.fn(args), args.debug))
 
 
 if __name__ == "__main__":

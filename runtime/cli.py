@@ -368,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
-    return guarded_main(lambda: run_command(args), args.debug, prog="sbpc-run")
+    return leave(guarded_main(lambda: run_command(args), args.debug, prog="sbpc-run"))
+
+
+def leave(code: int) -> int:
+    """``code``, or the process ends here if it joined a torchrun group (``dist.exit_code``)."""
+    joined = sys.modules.get("sbpc.runtime.dist")  # not imported: no group was joined
+    return joined.exit_code(code) if joined is not None else code
 
 
 if __name__ == "__main__":

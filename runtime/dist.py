@@ -30,6 +30,7 @@ _FAILED_KEY = "sbpc/failed/{}"
 class _State:
     store = None  # the rendezvous store, for failure keys
     timeout: float = 300.0
+    joined = False  # this process joined a gloo group from the environment
 
 
 def under_torchrun() -> bool:
@@ -69,7 +70,25 @@ def init_process_group(timeout: float) -> None:
         raise RuntimeFailure(f"rank {rank} could not join the {world}-rank process group at {addr}:{port}: "
                              f"{type(err).__name__}: {_first_line(err)}",
                              hint="every rank must start within --timeout and reach MASTER_ADDR:MASTER_PORT") from err
-    _State.store, _State.timeout = store, timeout
+    _State.store, _State.timeout, _State.joined = store, timeout, True
+
+
+def exit_code(code: int) -> int:
+    """The last step of a CLI entry point: ``code`` unchanged, unless this process joined a gloo
+    group, which it then leaves with ``os._exit(code)`` after flushing its output.
+
+    Why: gloo's worker threads drop their reference to a finished work object (and so to its
+    tensors' Python objects) a moment after the waiter wakes. When that moment falls inside
+    interpreter teardown the thread cannot take the GIL, and the process aborts with "terminate
+    called without an active exception" (rank 0, after the final gather of results). Spawned ranks
+    leave the same way (``runtime.launch.worker_main``)."""
+    if not _State.joined:
+        return code
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def init_distributed(mesh, *, timeout: float, backend: str = "cpu") -> Communicator:
