@@ -83,15 +83,19 @@ def test_a_dropped_tp_all_reduce_fails_under_bf16():
     """The tolerance grows with bf16's own error, yet Megatron's classic bug still fails: each
     tp rank keeps its partial backward sum."""
     plan = _plan("examples/gpt.py", "1x2", "bf16", "examples/gpt.megatron.toml")
-    dropped = input_gradient_all_reduce(plan)
-    types = {o: t for ins in plan.stages[0].instructions for o, t in zip(ins.outs, ins.types)}
-    assert types[input_ref(next(i for i in plan.stages[0].instructions if dropped(i)))].dtype == "bf16"
-    broken = drop_collective(plan, dropped)
+    ops = plan.stages[0].instructions
+    # the last one in the backward: layer 0's attention input (Megatron's f), present in every tp
+    # plan of this model whatever the planner does with the lm_head
+    target = [i for i in ops if input_gradient_all_reduce(plan)(i)][-1]
+    types = {o: t for ins in ops for o, t in zip(ins.outs, ins.types)}
+    assert types[input_ref(target)].dtype == "bf16"
+    broken = drop_collective(plan, lambda i: i is target)
     report = check_on_ranks(broken, OptimizerConfig(), steps=1, seed=0, tolerance=TOL, ranks="threads")
     assert not report.passed and report.table().splitlines()[-1].endswith("FAIL")
-    # the gradients alone: 1e-4 (10 times the tolerance; 0.9 in fp32, where eager's own error is
-    # 2**16 times smaller), and the tp ranks' copies of the parameters diverge
-    assert report.rows[1].grads.value > 10 * TOL, report.table()
+    # the gradients alone fail (4.9e-5 measured: the attention branch's share of layer 0's input
+    # gradient is small at initialisation, yet 5 times the tolerance), and the tp ranks' copies of
+    # the parameters diverge
+    assert report.rows[1].grads.value > 3 * TOL, report.table()
     assert report.rows[1].update.tensor.endswith("across ranks") and report.rows[1].update.value > 0.1
 
 
