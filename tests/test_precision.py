@@ -79,6 +79,18 @@ def test_parity_with_eager_autocast_on_dp_and_pipeline(precision):
         assert "fp16 loss scaling: 0 of 2 steps skipped" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("mesh,precision,zero", [("1x1x2", "fp16", "0"), ("2x1x2", "bf16", "3"), ("2x1x2", "fp16", "2")])
+def test_stage_hints_and_zero_under_autocast(mesh, precision, zero):
+    """[stages] hints and a half precision: the backward's own copy of a weight's cast (zero.py)
+    took its forward op's hinted chunk, and the IR verifier refused the graph as half partitioned.
+    ZeRO-2 under fp16 with micro-batches: the per-micro-batch pin went on the once-a-step unscaled
+    gradient instead of the backward's ("keep_first runs once a step ...")."""
+    r = sbpc_check("examples/gpt.py", "--mesh", mesh, "--config", "examples/gpt.pp.toml", "--precision", precision,
+                   "--zero", zero, "--steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"tolerance 1e-05: PASS$", r.stdout.strip()), r.stdout
+
+
 def test_a_dropped_tp_all_reduce_fails_under_bf16():
     """The tolerance grows with bf16's own error, yet Megatron's classic bug still fails: each
     tp rank keeps its partial backward sum."""

@@ -230,7 +230,8 @@ class _Rewrite:
     def _pin_gradients(self, nodes: list[Node], outputs, dims):
         """A hint right after each gradient's producer; the optimizer and the step's gradient
         output read the pinned value."""
-        grads = {o.value: o.name for o in outputs if o.kind == OutputKind.GRAD and dims.get(o.name) is not None}
+        made = _backward_made(nodes)
+        grads = {made(o.value): o.name for o in outputs if o.kind == OutputKind.GRAD and dims.get(o.name) is not None}
         pinned: dict[str, str] = {}
         out: list[Node] = []
         for n in nodes:
@@ -240,7 +241,10 @@ class _Rewrite:
             for o, t in zip(n.outputs, n.types):
                 if o in grads and o not in pinned:
                     pinned[o] = self.fresh(f"{o}_zero")
-                    out.append(self._hint(o, pinned[o], t, Role.BACKWARD, n.loc, Split(dims[grads[o]]), per_microbatch=True))
+                    # split per micro-batch only where the backward makes it: a once-a-step value
+                    # (a padded fp16 gradient) is split once a step
+                    out.append(self._hint(o, pinned[o], t, Role.BACKWARD, n.loc, Split(dims[grads[o]]),
+                                          per_microbatch=n.role == Role.BACKWARD))
         outputs = [replace(o, value=pinned.get(o.value, o.value)) if o.kind == OutputKind.GRAD else o for o in outputs]
         return out, outputs
 
@@ -324,6 +328,26 @@ class _PadUpdates:
         return replace(g, inputs=inputs, nodes=nodes, outputs=outputs)
 
 
+def _backward_made(nodes: list[Node]):
+    """``made(value)``: for a gradient output's value, the value the backward makes: the value
+    itself, or under fp16 the scaled gradient that the once-a-step unscale multiplies (optimizer
+    ops of one same-shape tensor argument, walked back to a backward op)."""
+    producer = {o: n for n in nodes for o in n.outputs}
+    types = {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
+
+    def made(value: str) -> str:
+        v = value
+        while v in producer and producer[v].role == Role.OPTIMIZER:
+            same = [a.name for a in producer[v].args
+                    if isinstance(a, Ref) and a.name in types and types[a.name].shape == types[v].shape]
+            if len(same) != 1:
+                return value
+            v = same[0]
+        return v if v in producer and producer[v].role == Role.BACKWARD else value
+
+    return made
+
+
 def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNames,
                             new_storage_only: bool = False) -> list[Node]:
     """Backward readers of a forward value computed from parameters alone read a copy computed
@@ -345,20 +369,23 @@ def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNam
     copies: dict[tuple[str, Role], str] = {}
     out: list[Node] = []
 
-    def copy(v: str, role: Role) -> str:
+    def copy(v: str, role: Role, stage: int | None) -> str:
         p = fwd_producer.get(v)
         if p is None:
             return v
         if (v, role) not in copies:
-            uses = {u: copy(u, role) for u in dict.fromkeys(p.uses())}
+            uses = {u: copy(u, role, stage) for u in dict.fromkeys(p.uses())}
             names = [fresh(f"{o}_{role.value}") for o in p.outputs]
-            out.append(replace(rename_uses(p, lambda u: uses.get(u, u)), outputs=names, role=role))
+            # the chunk of its (first) backward reader: none before stage-partition, which
+            # places backward ops itself (a hinted forward op's chunk would mark the graph as
+            # partitioned, and the IR verifier then wants a chunk on every op)
+            out.append(replace(rename_uses(p, lambda u: uses.get(u, u)), outputs=names, role=role, stage=stage))
             for o, name in zip(p.outputs, names):
                 copies[(o, role)] = name
         return copies[(v, role)]
 
     for n in nodes:
         if n.role == Role.BACKWARD:
-            n = rename_uses(n, lambda u: copy(u, n.role) if u in fwd_producer else u)
+            n = rename_uses(n, lambda u: copy(u, n.role, n.stage) if u in fwd_producer else u)
         out.append(n)
     return out
