@@ -25,9 +25,11 @@ demo: setup
 	$(SBPC) explain out/gpt.tp2.json h.0.attn.c_attn.weight
 
 # One pytest worker per core (pytest-xdist); a test file stays on one worker, so its module
-# fixtures (the fuzz corpus, the compiled plans) are built once.
+# fixtures (the fuzz corpus, the compiled plans) are built once. Then the tests that assert a
+# time bound (marker `timing`), alone: a second worker on the cores inflates even CPU time.
 test: setup
 	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -m timing
 
 # The whole op-database sweep (every OpInfo sample, every signature): deselected from `make test` for time.
 test-sweep: setup
