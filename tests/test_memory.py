@@ -233,6 +233,23 @@ def test_a_weights_bf16_cast_is_not_kept_per_micro_batch():
     assert not own & {u for n in graph.nodes if n.role == Role.BACKWARD for u in n.uses()}
 
 
+def test_fp16_gradients_count_as_gradients():
+    """Under fp16 the step's gradient outputs are the unscaled ones (``g * (1 / scale)``, once a
+    step); the storage the backward accumulates into is still a gradient, not a temporary of the
+    update. It was counted as a temporary, and ``sbpc search``'s depth extrapolation, which
+    scales the state terms with the layers but not the temporaries, put the 18.4B winner at
+    50.97 GB against its 40-layer compile's 67.76 GB."""
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.runtime.kinds import Precision
+
+    for mesh in ("1x1x2", "2x1"):
+        roles = _compile("gpt.py", mesh, {}, batch=4, microbatches=2,
+                         memory=MemoryOptions(precision=Precision.FP16)).plan.estimates.roles
+        for r in roles:  # at an update's peak every gradient of the role is alive
+            assert r.peak_at.startswith("U") or r.peak_at == "step", r
+            assert r.grads >= r.grad_bytes > 0, r
+
+
 # ----- the command
 def test_sbpc_memory_json_has_one_object_per_role():
     import json

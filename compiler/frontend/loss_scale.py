@@ -24,8 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.frontend.fx_import import import_fx
-from sbpc.compiler.ir.types import (DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Role, StateName,
-                                    TensorType, map_refs)
+from sbpc.compiler.ir.types import (DTYPES, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role,
+                                    StateName, TensorType, map_refs)
 from sbpc.runtime.plan import LossScaling
 from sbpc.runtime.precision import GROWTH_TRACKER, LOSS_SCALE, SKIPPED_STEPS
 
@@ -53,6 +53,23 @@ def append_unscale(grads: list[tuple[str, TensorType]], nodes: list[Node]) -> tu
 
     outs = splice(unscale, [(LOSS_SCALE, STATE_TYPES[LOSS_SCALE]), *grads], "unscale", nodes)
     return outs[0], outs[1:]
+
+
+_SCALAR_MULS = frozenset({"aten.mul.Tensor", "aten.mul_.Tensor", "aten._foreach_mul.Tensor", "aten._foreach_mul_.Tensor"})
+
+
+def scaled_gradient(n: Node, value: str, types: dict[str, TensorType]) -> str | None:
+    """The gradient that optimizer op ``n`` multiplies by a 0-d tensor to make ``value`` (the
+    unscale's ``g * inv``, or clipping's coefficient; of a foreach call, ``value`` is the i-th
+    result), else None. Who asks: ZeRO-2 pins a gradient where the backward makes it, and the
+    memory estimate counts that storage as a gradient, whatever multiplies it afterwards."""
+    if n.role != Role.OPTIMIZER or n.op not in _SCALAR_MULS or len(n.args) < 2:
+        return None
+    first, factor = n.args[0], n.args[1]
+    if not (isinstance(factor, Ref) and factor.name in types and types[factor.name].shape == ()):
+        return None
+    x = first[n.outputs.index(value)] if isinstance(first, (list, tuple)) else first
+    return x.name if isinstance(x, Ref) else None
 
 
 def append_skip(cfg: LossScaling, found: str, inputs: list[GraphInput], nodes: list[Node],

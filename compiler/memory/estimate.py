@@ -34,6 +34,7 @@ import enum
 from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import overwritten, returns_alias, shares_storage
+from sbpc.compiler.frontend.loss_scale import scaled_gradient
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.runtime.kinds import ISSUE, WAIT, Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, PER_MICROBATCH, TRANSFER, Task, fmt
@@ -196,6 +197,7 @@ def _gradient_values(graph: Graph) -> set[str]:
     output through accumulators, collectives, buckets, views, casts and pads, down to the op that
     computed it."""
     producer = {o: n for n in graph.nodes for o in n.outputs}
+    types = graph.value_types()
     todo = [o.value for o in graph.outputs_of(OutputKind.GRAD)]
     seen: set[str] = set()
     while todo:
@@ -204,9 +206,14 @@ def _gradient_values(graph: Graph) -> set[str]:
             continue
         seen.add(v)
         n = producer.get(v)
-        if n is not None and (n.op in _PLUMBING or Collective.of(n.op) is not None or returns_alias(n.op)):
+        if n is None:
+            continue
+        if n.op in _PLUMBING or Collective.of(n.op) is not None or returns_alias(n.op):
             todo.extend(n.uses())
+        elif (scaled := scaled_gradient(n, v, types)) is not None:  # its storage is the backward's
+            todo.append(scaled)
     return seen
+
 
 
 @dataclass

@@ -49,6 +49,7 @@ from typing import ClassVar
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
 from sbpc.compiler.frontend.hints import Hint
+from sbpc.compiler.frontend.loss_scale import scaled_gradient
 from sbpc.compiler.ir.aten import returns_alias
 from sbpc.compiler.ir.types import (FreshNames, Graph, GraphInput, InputKind, Node, OutputKind, Ref, Role, TensorType,
                                     rename_uses)
@@ -330,19 +331,14 @@ class _PadUpdates:
 
 def _backward_made(nodes: list[Node]):
     """``made(value)``: for a gradient output's value, the value the backward makes: the value
-    itself, or under fp16 the scaled gradient that the once-a-step unscale multiplies (optimizer
-    ops of one same-shape tensor argument, walked back to a backward op)."""
+    itself, or under fp16 the scaled gradient that the once-a-step unscale multiplies."""
     producer = {o: n for n in nodes for o in n.outputs}
     types = {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
 
     def made(value: str) -> str:
         v = value
-        while v in producer and producer[v].role == Role.OPTIMIZER:
-            same = [a.name for a in producer[v].args
-                    if isinstance(a, Ref) and a.name in types and types[a.name].shape == types[v].shape]
-            if len(same) != 1:
-                return value
-            v = same[0]
+        while v in producer and (scaled := scaled_gradient(producer[v], v, types)) is not None:
+            v = scaled
         return v if v in producer and producer[v].role == Role.BACKWARD else value
 
     return made
