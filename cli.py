@@ -254,7 +254,9 @@ def cmd_search(args) -> int:
     from sbpc.compiler.memory_options import parse_bytes
     from sbpc.compiler.tools.cluster import load_cluster
     from sbpc.compiler.tools.search import SearchOptions, compile_command, config_toml, run_search, table_text
+    from sbpc.compiler.tools.memory_report import size_text
     from sbpc.compiler.tools.search_space import parse_meshes
+    from sbpc.errors import CompileError
     from sbpc.runtime.files import check_output_path
     from sbpc.runtime.kinds import Precision
 
@@ -263,6 +265,8 @@ def cmd_search(args) -> int:
             check_output_path(getattr(args, flag), what)
     if args.devices < 1:
         raise UsageError(f"--devices {args.devices} must be at least 1", hint="the device count to plan for, e.g. --devices 256")
+    if args.batch_size is None:
+        args.batch_size = args.devices
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be at least 1", hint="the global batch, e.g. --batch-size 1024")
     if args.top < 1:
@@ -278,8 +282,12 @@ def cmd_search(args) -> int:
     outcome = run_search(opts, progress=(lambda line: None) if args.json else (lambda line: print(line, flush=True)))
     print(outcome.result.model_dump_json(indent=1) if args.json else table_text(outcome.result))
     if outcome.winner is None:
-        print("sbpc search: no compiled strategy fits the device memory; nothing written", file=sys.stderr)
-        return 1
+        sized = [r for r in outcome.result.rows if r.peak_memory_bytes is not None]
+        least = min(sized, key=lambda r: r.peak_memory_bytes) if sized else None
+        smallest = f" (the smallest: {size_text(least.peak_memory_bytes)} on {least.mesh})" if least else ""
+        raise CompileError(f"no compiled strategy fits {size_text(opts.budget())} a device{smallest}; nothing written",
+                           hint="a larger --device-memory, more --devices, a smaller --batch-size, or --top to "
+                                "compile more strategies")
     if args.output is not None:
         from sbpc.runtime.plan import save_plan
 
@@ -442,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--devices", type=int, required=True, help="devices to plan for")
     se.add_argument("--cluster", required=True, metavar="NAME|FILE", help="a preset (dgx-a100-80g, dgx-h100, h200) or "
                                                                           "a cluster TOML file")
-    se.add_argument("--batch-size", type=int, required=True, help="global batch size")
+    se.add_argument("--batch-size", type=int, help="global batch size (default: --devices, one sequence per device)")
     se.add_argument("--config", help="parallel config whose [params] and [modules] hints every strategy compiles with "
                                      "(e.g. examples/gpt.megatron.toml)")
     se.add_argument("--precision", choices=[x.value for x in Precision], default="fp32", help="compute precision "

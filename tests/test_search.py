@@ -21,6 +21,14 @@ def _search(argv, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def test_the_global_batch_defaults_to_one_sequence_per_device(capsys):
+    """The issue's form, `sbpc search MODEL --devices N --cluster NAME`, with no --batch-size."""
+    out = _search(["search", "examples/gpt.py", "--devices", "4", "--cluster", "h200", "--top", "1"], capsys)
+    (row,) = out["rows"]
+    dp = int(row["mesh"].split("x")[0])
+    assert row["fits"] and row["micro_batch"] * row["microbatches"] * dp == 4, row
+
+
 def test_table_is_ranked_by_simulated_step_time(capsys):
     out = _search([*TINY, "--top", "5"], capsys)
     rows = out["rows"]

@@ -52,6 +52,10 @@ class SearchOptions:
     attention: str = "flash"
     attention_dropout: float | None = None
 
+    def budget(self) -> float:
+        """Bytes a strategy must fit on a device: ``--device-memory``, else the cluster's."""
+        return self.device_memory if self.device_memory is not None else self.cluster.device.memory
+
 
 class Row(BaseModel):
     """One compiled and simulated strategy."""
@@ -152,7 +156,7 @@ def run_search(opts: SearchOptions, progress=lambda line: None) -> Outcome:
     t0 = time.perf_counter()
     shape = model_shape(opts)
     config = _config(opts.config_path)
-    budget = opts.device_memory if opts.device_memory is not None else opts.cluster.device.memory
+    budget = opts.budget()
     mesh_list = opts.meshes if opts.meshes is not None else search_space.meshes(shape, opts.devices, opts.cluster.node.devices)
     if opts.meshes is not None:
         bad = [m for m in mesh_list if shape.heads % m[1] or shape.layers % m[2] or shape.batch % m[0]]
