@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterable, Protocol, TextIO
 
@@ -48,6 +49,10 @@ class CompileContext:
     dump_dir: str | None = None
     log: TextIO = field(default_factory=lambda: sys.stderr)
     estimates: dict[str, object] = field(default_factory=dict)  # the fields of runtime.plan.Estimates
+    # wall seconds per pass name, and "verify" for the verifier after each: summed over every run
+    # of the pipeline in one compile (--recompute auto and the --device-memory price ladder run
+    # it more than once); contexts made with dataclasses.replace share the dict
+    pass_seconds: dict[str, float] = field(default_factory=dict)
     allow_replicated: bool = False  # a mesh axis may split nothing (compiler/sbp/axis_use.py)
 
 
@@ -79,13 +84,21 @@ class PassManager:
     def run(self, graph: Graph) -> Graph:
         self._after("capture", graph, 0)
         for i, p in enumerate(self.passes, start=1):
+            t0 = time.perf_counter()
             graph = p.apply(graph, self.ctx)
+            self._count(p.name, t0)
             self._after(p.name, graph, i)
         return graph
 
+    def _count(self, name: str, t0: float) -> None:
+        seconds = self.ctx.pass_seconds
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+
     def _after(self, name: str, graph: Graph, index: int) -> None:
         if self.ctx.verify:
+            t0 = time.perf_counter()
             verify(graph, after=name)
+            self._count("verify", t0)
         wants_print = self.ctx.print_after_all or name in self.ctx.print_after
         if not (wants_print or self.ctx.dump_dir):
             return

@@ -13,6 +13,21 @@ def test_compile_is_deterministic(tmp_path):
     assert a.read_bytes() == b.read_bytes()
 
 
+def test_time_passes_lists_every_pass_and_adds_up(tmp_path):
+    """`--time-passes`: capture, every pass of the pipeline in its order, the verifier and
+    lowering, their seconds summing to the total (each rounded to the millisecond)."""
+    from sbpc.compiler.passes import PipelineOptions, default_pipeline
+
+    r = sbpc("compile", "examples/gpt.py", "--mesh", "2x1x2", "--time-passes", "-o", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    rows = re.findall(r"^  (\S+(?: \(after each\))?) +([\d.]+)(?: +[\d.]+%)?$", r.stderr, re.M)
+    names = [name for name, _ in rows]
+    passes = [p.name for p in default_pipeline(PipelineOptions(microbatches=2))]
+    assert names == ["capture", *passes, "verify (after each)", "lowering", "total"], r.stderr
+    seconds = [float(sec) for _, sec in rows]
+    assert abs(sum(seconds[:-1]) - seconds[-1]) <= 0.001 * len(seconds), r.stderr
+
+
 def test_compile_run_inspect(tmp_path):
     plan = tmp_path / "plan.json"
     out = sbpc("compile", "examples/mlp.py", "--set", "layers=3", "--batch-size", "8", "-o", str(plan))

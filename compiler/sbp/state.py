@@ -95,6 +95,7 @@ class SolverState:
     at: list[list[Use]] = field(init=False)
     held: dict[str, bool] = field(init=False)  # the saved values whose memory is priced (index.saved, or none)
     _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
+    _compute: dict = field(init=False, default_factory=dict)  # (op, candidate) -> its compute price
     bucketed: frozenset[str] = field(init=False)  # the values that serve one gradient (gradient_tail)
     # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
     # hinted activation), where replicated weights' gradients are partial (Solver._data_axes)
@@ -146,9 +147,14 @@ class SolverState:
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
-        n = self.graph.nodes[idx]
-        ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
-        return self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
+        key = (idx, c)  # a pure function of the two: the refinement asks again and again
+        price = self._compute.get(key)
+        if price is None:
+            n = self.graph.nodes[idx]
+            ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
+            price = self._compute[key] = self.model.compute(sum(t.local_nbytes(nd, self.sizes)
+                                                                for t, nd in zip(ts, c.ins + c.outs)))
+        return price
 
     def value_cost(self, v: str, src: NdSbp, reqs, back=(), forward=None) -> float:
         """Converting ``v`` from ``src`` into each distinct layout of ``reqs``, and holding what

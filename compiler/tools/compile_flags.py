@@ -3,6 +3,7 @@ resolution into one compile: flags win over the config's tables, which win over 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from sbpc.errors import UsageError
 from sbpc.runtime.kinds import Precision, Recompute, ScheduleName
@@ -25,6 +26,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--print-after-all", action="append_const", const=True, help="print the IR after every pass")
     p.add_argument("--dump-dir", help="write the IR after every pass into this directory")
+    p.add_argument("--time-passes", action="store_true",
+                   help="print the seconds of capture, each pass, the IR verifier and lowering (stderr)")
     p.add_argument("--allow-replicated", action="store_true",
                    help="accept a mesh axis on which no tensor is split (its devices all do the same work)")
     p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
@@ -81,7 +84,22 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
                          hint="the global batch size, a multiple of dp x micro-batches")
     result = compile_model(source, mesh, batch_size=args.batch_size, optimizer=optimizer, ctx=ctx, config=config,
                            pipeline=pipeline, memory=memory_options_of(args, config), enforce_budget=enforce_budget)
+    if getattr(args, "time_passes", False):
+        print(pass_time_table(result.timings, ctx.pass_seconds), file=sys.stderr)
     return result, source, optimizer
+
+
+def pass_time_table(timings: dict[str, float], pass_seconds: dict[str, float]) -> str:
+    """``--time-passes``: capture, each pass (in pipeline order), the verifier and lowering, with
+    their share of the compile, as LLVM's ``-time-passes`` prints them."""
+    total = timings["total"]
+    passes = [(name, sec) for name, sec in pass_seconds.items() if name != "verify"]
+    rows = [("capture", timings["capture"]), *passes, ("verify (after each)", pass_seconds.get("verify", 0.0)),
+            ("lowering", timings["total"] - timings["capture"] - timings["passes"])]
+    lines = ["compile time (wall seconds; a pass that ran more than once is summed):"]
+    lines += [f"  {name:<22} {sec:8.3f}  {sec / total:6.1%}" for name, sec in rows]
+    lines.append(f"  {'total':<22} {total:8.3f}")
+    return "\n".join(lines)
 
 
 def memory_options_of(args, config):
