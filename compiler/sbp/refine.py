@@ -132,13 +132,7 @@ def _try_hoist(st: SolverState, v: str, budget: int) -> bool:
             best = min(opts, key=lambda cj: (round(st.local_cost(m, st.cands[m][cj]), 15), cj != st.choice[m], cj))
         if best == st.choice[m]:
             continue
-        before = [st.sbp[o] for o in st.graph.nodes[m].outputs]
-        saved[m] = st.choice[m]
-        st.choose(m, best)
-        for o, old in zip(st.graph.nodes[m].outputs, before):
-            if st.sbp[o] != old:
-                made[o] = st.sbp[o]
-                queue += _readers(st, o)
+        queue += _choose_spreading(st, m, best, made, saved)
     if not saved:
         return False
     return _keep_if_cheaper(st, saved)
@@ -240,13 +234,21 @@ def _flood(st: SolverState, made: dict[str, NdSbp], saved: dict[int, int], budge
         if not fit or st.choice[m] in fit:
             continue
         best = min(fit, key=lambda ci: (round(st.local_cost(m, st.cands[m][ci]), 15), ci))
-        before = [st.sbp[o] for o in st.graph.nodes[m].outputs]
-        saved[m] = st.choice[m]
-        st.choose(m, best)
-        for o, old in zip(st.graph.nodes[m].outputs, before):
-            if st.sbp[o] != old:
-                made[o] = st.sbp[o]
-                queue += _readers(st, o)
+        queue += _choose_spreading(st, m, best, made, saved)
+
+
+def _choose_spreading(st: SolverState, m: int, ci: int, made: dict[str, NdSbp], saved: dict[int, int]) -> list[int]:
+    """Op ``m`` takes candidate ``ci`` (its choice before goes to ``saved``); each result whose
+    layout changes goes to ``made``. Returns the readers of those results: where a flood goes next."""
+    before = [st.sbp[o] for o in st.graph.nodes[m].outputs]
+    saved[m] = st.choice[m]
+    st.choose(m, ci)
+    nxt: list[int] = []
+    for o, old in zip(st.graph.nodes[m].outputs, before):
+        if st.sbp[o] != old:
+            made[o] = st.sbp[o]
+            nxt += _readers(st, o)
+    return nxt
 
 
 def partials(c: NdSignature) -> int:
