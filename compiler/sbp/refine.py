@@ -192,11 +192,15 @@ def _try_joint(st: SolverState, v: str, t: NdSbp, idxs: list[int], flood: bool, 
     if st.cost_of(idxs, touched) < before * (1 - 1e-9):
         return True
     changed = [o for o, old in outs.items() if st.sbp[o] != old] if flood else []
+    switched = {i: st.choice[i] for i in idxs}  # what _switch chose: the same from the same state
     _restore(st, saved)
     for o in changed:
-        _switch(st, v, t, idxs)
+        _restore(st, switched)
         flooded = dict(saved)
         _flood(st, {o: st.sbp[o]}, flooded, budget)
+        if len(flooded) == len(saved):  # nothing followed: the switch alone, which did not pay
+            _restore(st, saved)
+            continue
         if _keep_if_cheaper(st, flooded):
             return True
     return False

@@ -96,6 +96,7 @@ class SolverState:
     held: dict[str, bool] = field(init=False)  # the saved values whose memory is priced (index.saved, or none)
     _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
     _compute: dict = field(init=False, default_factory=dict)  # (op, candidate) -> its compute price
+    _options: dict = field(init=False, default_factory=dict)  # (op, its choice, focus) -> options()
     bucketed: frozenset[str] = field(init=False)  # the values that serve one gradient (gradient_tail)
     # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
     # hinted activation), where replicated weights' gradients are partial (Solver._data_axes)
@@ -249,16 +250,23 @@ class SolverState:
         return cost
 
     # ----- choices
-    def options(self, idx: int) -> list[int]:
+    def options(self, idx: int) -> tuple[int, ...]:
         """The candidates a move may give op ``idx``: all of them, or, while refinement works
         on one mesh axis (``focus``), those that agree with the current choice on the others.
         Axis by axis keeps each move small: a few signatures per op instead of their product."""
+        memo = (idx, self.choice[idx], self.focus)  # a pure function of these: moves ask again and again
+        found = self._options.get(memo)
+        if found is not None:
+            return found
         if self.focus is None:
-            return list(range(len(self.cands[idx])))
-        cur, a = self.cands[idx][self.choice[idx]], self.focus
-        key = lambda c: tuple(nd[:a] + nd[a + 1:] for nd in c.ins + c.outs)
-        k = key(cur)
-        return [ci for ci, c in enumerate(self.cands[idx]) if key(c) == k]
+            found = tuple(range(len(self.cands[idx])))
+        else:
+            cur, a = self.cands[idx][self.choice[idx]], self.focus
+            key = lambda c: tuple(nd[:a] + nd[a + 1:] for nd in c.ins + c.outs)
+            k = key(cur)
+            found = tuple(ci for ci, c in enumerate(self.cands[idx]) if key(c) == k)
+        self._options[memo] = found
+        return found
 
     def choose(self, idx: int, ci: int) -> None:
         """Op ``idx`` takes candidate ``ci``, and so does every member of its layer class (the
