@@ -8,7 +8,8 @@ from sbpc.compiler.driver import compile_model
 from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.mesh import parse_mesh
-from sbpc.compiler.memory.estimate import Storages, estimate_memory
+from sbpc.compiler.memory.estimate import estimate_memory
+from sbpc.compiler.memory.storages import Storages
 from sbpc.compiler.passes import PipelineOptions
 from sbpc.compiler.ir.types import OutputKind
 
@@ -189,7 +190,6 @@ def test_a_budget_keeps_activations_split_where_time_alone_gathers_them():
 # ----- the pipeline's in-flight micro-batches
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stage_holds_the_schedules_in_flight_micro_batches(schedule):
-    from sbpc.compiler.memory.estimate import Storages, estimate_memory
     from sbpc.runtime.kinds import ScheduleName
 
     p, m = 4, 8
