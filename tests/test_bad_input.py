@@ -7,196 +7,25 @@ an edited plan); ``culprit`` is the substring (or the substrings) the error line
 ``env`` sets environment variables for the run (a launcher's RANK/WORLD_SIZE). Each case runs
 in this process through ``cli.main`` (fast); ``SUBPROCESS`` picks a few that also run as the
 real console script, to prove the exit code and the absence of a traceback end to end.
-To add a case, add a row: the checks come with it.
+To add a case, add a row: the checks come with it. ``Case`` and the setups are in
+``tests/bad_input_setups.py``.
 """
 from __future__ import annotations
 
 import json
 import signal
-import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
+from bad_input_setups import (DP4, EDITED, GPT_TP, MLP, RESUME, Case, chain, checkpointed, compiled, compiled_lm,
+                              config_case, edit_json, flip_in, garble_header, index_edit, recompiled_model, set_at,
+                              shard_edit, truncate, write)
 from conftest import sbpc
 from sbpc.runtime.plan import SCHEMA_VERSION
 
 SECONDS = 120  # a case that takes longer than this hangs
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    argv: list[str]
-    culprit: str | tuple[str, ...]
-    setup: Callable[[Path], None] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-
-    def culprits(self) -> tuple[str, ...]:
-        return (self.culprit,) if isinstance(self.culprit, str) else self.culprit
-
-
-def write(name: str, text: str) -> Callable[[Path], None]:
-    """A setup that writes ``text`` (dedented) to ``{tmp}/name``."""
-    return lambda tmp: (tmp / name).write_text(textwrap.dedent(text).lstrip("\n"))
-
-
-_plans: dict[str, str] = {}
-
-
-def compiled(edit: Callable[[str], str] | None = None, *flags: str) -> Callable[[Path], None]:
-    """A setup that writes ``{tmp}/plan.json``: examples/mlp.py compiled (for mesh 1, or with
-    the compile ``flags``) once per session, passed through ``edit`` (text -> text) when given."""
-    def setup(tmp: Path) -> None:
-        key = " ".join(flags)
-        if key not in _plans:
-            from sbpc.cli import main
-
-            out = tmp / "_compiled.json"
-            assert main(["compile", "examples/mlp.py", *flags, "-o", str(out)]) == 0
-            _plans[key] = out.read_text()
-            out.unlink()
-        (tmp / "plan.json").write_text(edit(_plans[key]) if edit else _plans[key])
-    return setup
-
-
-def compiled_lm(then: Callable[[Path], None] | None = None) -> Callable[[Path], None]:
-    """A setup that writes ``{tmp}/plan.json``: tests/models/tiny_lm.py (token ids, vocabulary
-    256, seq 8) compiled for mesh 1 once per session, then runs ``then`` (the data file)."""
-    def setup(tmp: Path) -> None:
-        if "lm" not in _plans:
-            from sbpc.cli import main
-
-            out = tmp / "_compiled.json"
-            assert main(["compile", "tests/models/tiny_lm.py", "-o", str(out)]) == 0
-            _plans["lm"] = out.read_text()
-            out.unlink()
-        (tmp / "plan.json").write_text(_plans["lm"])
-        if then is not None:
-            then(tmp)
-    return setup
-
-
-def _then(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
-    return lambda tmp: [s(tmp) for s in setups] and None
-
-
-def edit_json(change: Callable[[dict], None]) -> Callable[[str], str]:
-    def edit(text: str) -> str:
-        raw = json.loads(text)
-        change(raw)
-        return json.dumps(raw)
-    return edit
-
-
-def _set(path: str, value) -> Callable[[dict], None]:
-    def change(raw: dict) -> None:
-        *parents, last = path.split(".")
-        node = raw
-        for p in parents:
-            node = node[int(p)] if isinstance(node, list) else node[p]
-        node[int(last) if isinstance(node, list) else last] = value
-    return change
-
-
-EDITED = "was changed after sbpc wrote it: its content does not match its digest"
-DP4 = ("--mesh", "4x1")  # a 4-rank plan, for sbpc launch
-def _recompiled_model(tmp: Path) -> None:
-    """examples/mlp.py copied to {tmp}/model.py and compiled there, then its example_batch cut to
-    one tensor, as when a model file changes after the compile."""
-    from sbpc.cli import main
-
-    text = Path("examples/mlp.py").read_text()
-    (tmp / "model.py").write_text(text)
-    assert main(["compile", str(tmp / "model.py"), "-o", str(tmp / "plan.json")]) == 0
-    (tmp / "model.py").write_text(text.replace("return torch.randn(batch_size, dim_in), torch.randn(batch_size, dim_out)",
-                                               "return (torch.randn(batch_size, dim_in),)"))
-
-
-MLP = ["compile", "examples/mlp.py", "-o", "{tmp}/plan.json"]
-GPT_TP = ["compile", "examples/gpt.py", "--config", "examples/gpt.megatron.toml", "--set", "layers=1", "-o", "{tmp}/p.json"]
-
-
-def config(text: str, model: str = "examples/mlp.py", mesh: str = "1x2") -> tuple[list[str], Callable[[Path], None]]:
-    """argv and setup of a compile with the parallel config ``text``."""
-    return (["compile", model, "--mesh", mesh, "--config", "{tmp}/parallel.toml", "-o", "{tmp}/p.json"],
-            write("parallel.toml", text))
-
-
-def _config_case(name: str, text: str, culprit, **kw) -> Case:
-    argv, setup = config(text, **kw)
-    return Case(name, argv, culprit, setup)
-
-
-_checkpoint: dict[str, bytes] = {}
-
-
-def checkpointed(edit: Callable[[Path], None] | None = None, *sets: str) -> Callable[[Path], None]:
-    """A setup that writes ``{tmp}/c``, the checkpoint of one step of examples/mlp.py on mesh 1
-    (made once per session), with ``edit`` applied to its ``step_00000001`` directory, and
-    ``{tmp}/plan.json`` (mlp with ``sets``) to resume it into."""
-    def setup(tmp: Path) -> None:
-        import contextlib
-        import io
-        import shutil
-
-        from sbpc.cli import main
-
-        if not _checkpoint:
-            compiled()(tmp)
-            with contextlib.redirect_stdout(io.StringIO()):
-                assert main(["run", str(tmp / "plan.json"), "--steps", "1", "--save", str(tmp / "c")]) == 0
-            _checkpoint.update({str(f.relative_to(tmp / "c")): f.read_bytes() for f in (tmp / "c").rglob("*")
-                                if f.is_file()})
-            shutil.rmtree(tmp / "c")
-        for name, data in _checkpoint.items():
-            (tmp / "c" / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / "c" / name).write_bytes(data)
-        compiled(None, *sets)(tmp)
-        if edit:
-            edit(tmp / "c" / "step_00000001")
-    return setup
-
-
-def _index_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        raw = json.loads((d / "index.json").read_text())
-        change(raw)
-        (d / "index.json").write_text(json.dumps(raw))
-    return edit
-
-
-def _shard_edit(change: Callable[[bytearray], None]) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        f = d / "rank00000.safetensors"
-        data = bytearray(f.read_bytes())
-        change(data)
-        f.write_bytes(bytes(data))
-    return edit
-
-
-def _flip_in(key: str) -> Callable[[bytearray], None]:
-    """Flip a byte in the middle of tensor ``key``'s data (safetensors: an 8-byte header
-    length, the JSON header, then the data)."""
-    def change(data: bytearray) -> None:
-        n = int.from_bytes(data[:8], "little")
-        start, end = json.loads(bytes(data[8:8 + n]))[key]["data_offsets"]
-        data[8 + n + (start + end) // 2] ^= 0xFF
-    return change
-
-
-def _truncate(data: bytearray) -> None:
-    del data[100:]
-
-
-def _garble_header(data: bytearray) -> None:
-    data[8:24] = b"\xff" * 16
-
-
-RESUME = ["run", "{tmp}/plan.json", "--steps", "2", "--resume", "{tmp}/c"]
 
 
 CASES = [
@@ -229,34 +58,34 @@ CASES = [
     Case("mesh-empty", [*MLP, "--mesh", ""], "empty --mesh"),
     Case("mesh-negative", [*MLP, "--mesh", "dp=-1"], "dp=-1"),
     # --- SBP strings and the parallel config (TOML) -----------------------------------------
-    _config_case("sbp-unknown-letter", '[params]\n"layers.0.weight" = { tp = "Q" }\n',
+    config_case("sbp-unknown-letter", '[params]\n"layers.0.weight" = { tp = "Q" }\n',
                  ("bad SBP 'Q'", "parallel.toml:2")),
-    _config_case("sbp-split-dim-word", '[params]\n"layers.0.weight" = { tp = "S(x)" }\n', ("bad SBP 'S(x)'",)),
-    _config_case("sbp-not-a-string", '[params]\n"layers.0.weight" = { tp = 0 }\n',
+    config_case("sbp-split-dim-word", '[params]\n"layers.0.weight" = { tp = "S(x)" }\n', ("bad SBP 'S(x)'",)),
+    config_case("sbp-not-a-string", '[params]\n"layers.0.weight" = { tp = 0 }\n',
                  ("the SBP for axis tp must be a string", "parallel.toml:2")),
-    _config_case("sbp-dim-beyond-rank", '[params]\n"layers.0.weight" = { tp = "S(2)" }\n',
+    config_case("sbp-dim-beyond-rank", '[params]\n"layers.0.weight" = { tp = "S(2)" }\n',
                  ("S(2)", "layers.0.weight")),
-    _config_case("sbp-unknown-axis", '[params]\n"layers.0.weight" = { xp = "S(0)" }\n',
+    config_case("sbp-unknown-axis", '[params]\n"layers.0.weight" = { xp = "S(0)" }\n',
                  "unknown mesh axis 'xp' in a hint"),
-    _config_case("sbp-glob-matches-nothing", '[params]\n"h.*.nope" = { tp = "S(0)" }\n',
+    config_case("sbp-glob-matches-nothing", '[params]\n"h.*.nope" = { tp = "S(0)" }\n',
                  "parameter glob 'h.*.nope' matches no parameter"),
     Case("sbp-in-code-bad", ["compile", "tests/models/bad_shard.py", "--mesh", "1x2", "-o", "{tmp}/p.json"],
          ("bad SBP 'Q'", "tests/models/bad_shard.py:", "hint: write S(dim)")),
     Case("config-missing", [*MLP, "--config", "{tmp}/nope.toml"], "parallel config '{tmp}/nope.toml' does not exist"),
-    _config_case("config-broken-toml", '[params\n"w" = 1\n', "is not valid TOML"),
-    _config_case("config-unknown-table", "[parms]\n", "unknown table [parms]"),
-    _config_case("config-unknown-memory-key", "[memory]\nzero = 1\nzeroo = 2\n",
+    config_case("config-broken-toml", '[params\n"w" = 1\n', "is not valid TOML"),
+    config_case("config-unknown-table", "[parms]\n", "unknown table [parms]"),
+    config_case("config-unknown-memory-key", "[memory]\nzero = 1\nzeroo = 2\n",
                  ("[memory] has unknown key 'zeroo'", "parallel.toml:3")),
-    _config_case("config-unknown-pipeline-key", "[pipeline]\nmicro_batches = 2\n",
+    config_case("config-unknown-pipeline-key", "[pipeline]\nmicro_batches = 2\n",
                  "[pipeline] has unknown key 'micro_batches'"),
-    _config_case("config-table-not-a-table", "params = 3\n", "[params] must be a table"),
-    _config_case("config-microbatches-zero", "[pipeline]\nmicrobatches = 0\n",
+    config_case("config-table-not-a-table", "params = 3\n", "[params] must be a table"),
+    config_case("config-microbatches-zero", "[pipeline]\nmicrobatches = 0\n",
                  "[pipeline] microbatches must be an integer >= 1"),
-    _config_case("config-unknown-schedule", '[pipeline]\nschedule = "zigzag"\n', "[pipeline] schedule must be one of"),
-    _config_case("config-memory-offload-unknown", '[memory]\noffload = "disk"\n', "offload 'disk' is not one of"),
-    _config_case("config-memory-zero-unknown", "[memory]\nzero = 5\n", "zero stage 5 is not one of 0, 1, 2, 3"),
-    _config_case("config-memory-recompute-unknown", '[memory]\nrecompute = "most"\n', "'most'"),
-    _config_case("config-memory-budget-not-bytes", '[memory]\ndevice_memory = "lots"\n', "'lots'"),
+    config_case("config-unknown-schedule", '[pipeline]\nschedule = "zigzag"\n', "[pipeline] schedule must be one of"),
+    config_case("config-memory-offload-unknown", '[memory]\noffload = "disk"\n', "offload 'disk' is not one of"),
+    config_case("config-memory-zero-unknown", "[memory]\nzero = 5\n", "zero stage 5 is not one of 0, 1, 2, 3"),
+    config_case("config-memory-recompute-unknown", '[memory]\nrecompute = "most"\n', "'most'"),
+    config_case("config-memory-budget-not-bytes", '[memory]\ndevice_memory = "lots"\n', "'lots'"),
     # --- sizes the mesh cannot divide (the message lists the valid degrees) ------------------
     Case("vocab-tp", [*GPT_TP, "--mesh", "1x2", "--set", "vocab=255"],
          ("SBP tp=S(0) of param 'wte.weight' does not divide its shape [255, 64] over tp=2; "
@@ -327,7 +156,7 @@ CASES = [
                  return (torch.zeros(batch_size, 8, dtype=torch.uint16),)
              """)),
     Case("model-batch-changed-since-compile", ["run", "{tmp}/plan.json", "--steps", "1"],
-         "batch has 1 tensors, the plan takes 2", lambda tmp: _recompiled_model(tmp)),
+         "batch has 1 tensors, the plan takes 2", lambda tmp: recompiled_model(tmp)),
     Case("model-forward-not-scalar", ["compile", "tests/models/not_scalar.py", "-o", "{tmp}/p.json"],
          "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
     Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
@@ -345,17 +174,17 @@ CASES = [
     Case("plan-truncated", ["run", "{tmp}/plan.json"], ("is not valid JSON", "truncated"),
          compiled(lambda text: text[: len(text) // 2])),
     Case("plan-other-schema-version", ["inspect", "{tmp}/plan.json"], f"schema_version 99, this sbpc reads version {SCHEMA_VERSION}",
-         compiled(edit_json(_set("schema_version", 99)))),
+         compiled(edit_json(set_at("schema_version", 99)))),
     Case("plan-no-schema-version", ["run", "{tmp}/plan.json"], "schema_version None",
          write("plan.json", "[1, 2]")),
     Case("plan-malformed", ["run", "{tmp}/plan.json"], "is malformed at",
          write("plan.json", json.dumps({"schema_version": SCHEMA_VERSION, "stages": 3}))),
     Case("plan-edited-field-type", ["run", "{tmp}/plan.json", "--steps", "1"], "is malformed at mesh.0.size",
-         compiled(edit_json(_set("mesh.0.size", "two")))),
+         compiled(edit_json(set_at("mesh.0.size", "two")))),
     Case("plan-edited-mesh-size", ["run", "{tmp}/plan.json", "--steps", "1"], EDITED,
-         compiled(edit_json(_set("mesh.0.size", 2)))),
+         compiled(edit_json(set_at("mesh.0.size", 2)))),
     Case("plan-edited-shape", ["run", "{tmp}/plan.json", "--steps", "1"], EDITED,
-         compiled(edit_json(_set("params.0.shape", [3, 3])))),
+         compiled(edit_json(set_at("params.0.shape", [3, 3])))),
     Case("plan-edited-instruction-removed", ["inspect", "{tmp}/plan.json"], EDITED,
          compiled(edit_json(lambda raw: raw["stages"][0]["instructions"].pop(0)))),
     Case("plan-unsigned-and-broken", ["run", "{tmp}/plan.json", "--steps", "1"],
@@ -460,7 +289,7 @@ CASES = [
     Case("data-tokenizer-missing", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.txt", "--tokenizer", "{tmp}/tok.json"],
          "tokenizer", compiled_lm(lambda tmp: (tmp / "t.txt").write_text("hello " * 20))),
     Case("data-on-a-float-plan", ["run", "{tmp}/plan.json", "--data", "{tmp}/t.txt"],
-         ("--data feeds token ids [batch, seq]", "float32 [4, 32]"), _then(compiled(), write("t.txt", "hello " * 20))),
+         ("--data feeds token ids [batch, seq]", "float32 [4, 32]"), chain(compiled(), write("t.txt", "hello " * 20))),
     Case("train-decay-inside-warmup", ["run", "{tmp}/plan.json", "--lr-warmup-steps", "10", "--lr-decay-steps", "5"],
          "--lr-decay-steps 5 ends before the warmup", compiled()),
     Case("train-log-interval-zero", ["run", "{tmp}/plan.json", "--log-interval", "0"], "--log-interval 0 must be at least 1",
@@ -485,23 +314,23 @@ CASES = [
     Case("ckpt-index-not-json", RESUME, "index.json is not valid JSON",
          checkpointed(lambda d: (d / "index.json").write_text("{"))),
     Case("ckpt-index-other-schema", RESUME, "has schema_version 99, this sbpc reads version 1",
-         checkpointed(_index_edit(lambda raw: raw.update(schema_version=99)))),
+         checkpointed(index_edit(lambda raw: raw.update(schema_version=99)))),
     Case("ckpt-index-malformed", RESUME, "index.json is malformed at tensors",
-         checkpointed(_index_edit(lambda raw: raw.update(tensors=5)))),
+         checkpointed(index_edit(lambda raw: raw.update(tensors=5)))),
     Case("ckpt-shard-missing", RESUME, "lacks shard file rank00000.safetensors (rank 0's)",
          checkpointed(lambda d: (d / "rank00000.safetensors").unlink())),
     Case("ckpt-shard-truncated", RESUME, "rank00000.safetensors has 100 bytes, the index says",
-         checkpointed(_shard_edit(_truncate))),
+         checkpointed(shard_edit(truncate))),
     Case("ckpt-shard-corrupt-header", RESUME, "cannot read checkpoint shard {tmp}/c/step_00000001/rank00000.safetensors",
-         checkpointed(_shard_edit(_garble_header))),
+         checkpointed(shard_edit(garble_header))),
     Case("ckpt-shard-corrupt-data", RESUME, "rank00000.safetensors: layers.0.weight does not match its checksum",
-         checkpointed(_shard_edit(_flip_in("layers.0.weight")))),
+         checkpointed(shard_edit(flip_in("layers.0.weight")))),
     Case("ckpt-rng-corrupt", RESUME, "rank00000.safetensors: rng.torch does not match its checksum",
-         checkpointed(_shard_edit(_flip_in("rng.torch")))),
+         checkpointed(shard_edit(flip_in("rng.torch")))),
     Case("ckpt-other-model-size", RESUME, "layers.0.weight has shape [64, 32], the plan expects [16, 32]",
          checkpointed(None, "--set", "hidden=16")),
     Case("ckpt-other-names", RESUME, "has no param 'layers.0.weight', which the plan (examples/mlp.py) needs",
-         checkpointed(_index_edit(lambda raw: raw["tensors"].update(encoder=raw["tensors"].pop("layers.0.weight"))))),
+         checkpointed(index_edit(lambda raw: raw["tensors"].update(encoder=raw["tensors"].pop("layers.0.weight"))))),
     Case("ckpt-save-is-a-file", ["run", "{tmp}/plan.json", "--save", "{tmp}/plan.json"],
          "cannot write the checkpoints (--save) into '{tmp}/plan.json': it is a file", compiled()),
     Case("ckpt-save-every-zero", ["run", "{tmp}/plan.json", "--save", "{tmp}/c", "--save-every", "0"],
