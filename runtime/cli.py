@@ -351,6 +351,7 @@ def _join_group(args: argparse.Namespace, plan, out) -> int:
     from sbpc.runtime import dist
 
     rank = int(os.environ["RANK"])
+    dist.leave_hard_at_exit()
     try:
         comm = dist.init_distributed(plan, timeout=getattr(args, "timeout", 300.0), backend=args.backend)
         train(args, plan, comm, out if comm.rank == 0 else None)
@@ -372,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def leave(code: int) -> int:
-    """``code``, or the process ends here if it joined a torchrun group (``dist.exit_code``)."""
-    joined = sys.modules.get("sbpc.runtime.dist")  # not imported: no group was joined
+    """``code``, or the process ends here if it ran as a torchrun rank (``dist.exit_code``)."""
+    joined = sys.modules.get("sbpc.runtime.dist")  # not imported: not a torchrun rank
     return joined.exit_code(code) if joined is not None else code
 
 

@@ -12,6 +12,7 @@ within the timeout) reads that key, so its own error names the rank that failed 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -30,7 +31,7 @@ _FAILED_KEY = "sbpc/failed/{}"
 class _State:
     store = None  # the rendezvous store, for failure keys
     timeout: float = 300.0
-    joined = False  # this process joined a gloo group from the environment
+    leave_hard = False  # this process is a torchrun rank: it ends with os._exit (exit_code)
 
 
 def under_torchrun() -> bool:
@@ -70,22 +71,27 @@ def init_process_group(timeout: float) -> None:
         raise RuntimeFailure(f"rank {rank} could not join the {world}-rank process group at {addr}:{port}: "
                              f"{type(err).__name__}: {_first_line(err)}",
                              hint="every rank must start within --timeout and reach MASTER_ADDR:MASTER_PORT") from err
-    _State.store, _State.timeout, _State.joined = store, timeout, True
+    _State.store, _State.timeout = store, timeout
+
+
+def leave_hard_at_exit() -> None:
+    """This process is a rank of an outside launcher (torchrun, slurm): its CLI entry point ends
+    it with ``os._exit`` (``exit_code``), whatever happens after this call."""
+    _State.leave_hard = True
 
 
 def exit_code(code: int) -> int:
-    """The last step of a CLI entry point: ``code`` unchanged, unless this process joined a gloo
-    group, which it then leaves with ``os._exit(code)`` after flushing its output.
+    """The last step of a CLI entry point: ``code`` unchanged, unless this process is a torchrun
+    rank (``leave_hard_at_exit``), which then ends with ``os._exit(code)`` after flushing its output.
 
     Why: gloo's worker threads drop their reference to a finished work object (and so to its
     tensors' Python objects) a moment after the waiter wakes. When that moment falls inside
     interpreter teardown the thread cannot take the GIL, and the process aborts with "terminate
     called without an active exception" (rank 0, after the final gather of results). Spawned ranks
-    leave the same way (``runtime.launch.worker_main``)."""
-    if not _State.joined:
+    leave the same way (``runtime.launch.worker_main``). Only the torchrun path asks for it: a
+    process that joins a group for a while (a test) keeps its normal exit."""
+    if not _State.leave_hard:
         return code
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
