@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.aten import is_mutating, is_random
-from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role, rename_uses
+from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Role, rename_uses
 from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, dependences,
                                                     first_readers, in_flight, layer_key, optimizer_owners,
                                                     place_backward, profile)
@@ -127,7 +127,7 @@ def per_chunk_hyper_ops(graph: Graph) -> Graph:
                 need[p] |= need[k] if pure[k] else {nodes[k].stage}
     if not any(len(need[k] - {nodes[k].stage}) for k in range(len(nodes)) if pure[k]):
         return graph
-    taken = set(producer) | hyper | {i.value for i in graph.inputs}
+    fresh = FreshNames(set(producer) | hyper | {i.value for i in graph.inputs})
     name: dict[tuple[str, int], str] = {}  # (value, chunk) -> the chunk's copy of a pure value
     out: list[Node] = []
     for k, n in enumerate(nodes):
@@ -136,18 +136,10 @@ def per_chunk_hyper_ops(graph: Graph) -> Graph:
             continue
         home = n.stage if n.stage in need[k] or not need[k] else min(need[k])
         for c in sorted({home} | need[k]):
-            outs = n.outputs if c == home else [_fresh(f"{o}_chunk{c}", taken) for o in n.outputs]
+            outs = n.outputs if c == home else [fresh(f"{o}_chunk{c}") for o in n.outputs]
             name.update(((o, c), new) for o, new in zip(n.outputs, outs) if c != home)
             out.append(replace(rename_uses(n, lambda v: name.get((v, c), v)), outputs=outs, stage=c))
     return replace(graph, nodes=out)
-
-
-def _fresh(want: str, taken: set[str]) -> str:
-    name, i = want, 1
-    while name in taken:
-        name, i = f"{want}_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 def _hints(graph: Graph, chunks: int, producer: dict[str, int]) -> list[int | None]:
