@@ -257,8 +257,7 @@ def cmd_search(args) -> int:
     from sbpc.compiler.tools.memory_report import size_text
     from sbpc.compiler.tools.search_space import parse_meshes
     from sbpc.errors import CompileError
-    from sbpc.runtime.files import check_output_path
-    from sbpc.runtime.kinds import Precision
+    from sbpc.runtime.files import check_output_path, write_atomic
 
     for flag, what in (("output", "plan (-o)"), ("config_out", "parallel config (--config-out)")):
         if getattr(args, flag) is not None:
@@ -298,8 +297,7 @@ def cmd_search(args) -> int:
         print(f"wrote the winner's plan to {args.output}{note}", file=sys.stderr if args.json else sys.stdout)
     if args.config_out is not None:
         command = compile_command(outcome.winner, opts, args.config_out)
-        with open(args.config_out, "w") as f:
-            f.write(config_toml(outcome.winner, opts, command, outcome.layer_list, outcome.result.layers))
+        write_atomic(args.config_out, config_toml(outcome.winner, opts, command, outcome.layer_list, outcome.result.layers))
         print(f"wrote the winner's parallel config to {args.config_out}; reproduce: {command}",
               file=sys.stderr if args.json else sys.stdout)
     return 0
