@@ -9,7 +9,6 @@ from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.mesh import parse_mesh
 from sbpc.compiler.memory.estimate import estimate_memory
-from sbpc.compiler.memory.storages import Storages
 from sbpc.compiler.passes import PipelineOptions
 from sbpc.compiler.ir.types import OutputKind
 

@@ -8,8 +8,6 @@ import time
 
 import pytest
 
-from conftest import ROOT
-
 TINY = ["search", "examples/gpt.py", "--set", "layers=4", "--devices", "4", "--cluster", "dgx-a100-80g",
         "--batch-size", "8", "--config", "examples/gpt.megatron.toml"]
 
