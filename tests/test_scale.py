@@ -120,3 +120,27 @@ def _cost(graph, solved) -> float:
             ci = len(s.cands[i]) - 1
         s.choose(i, ci)
     return s.cost_of(list(range(len(graph.nodes))), set(s.sbp) | set(s.req))
+
+
+def _odd_members(layers: int) -> int:
+    """How many members of a layer class the solver must price on their own (``Solver._weigh``)
+    for gpt tiny with ``layers`` layers on pp 4 (Adam: bias corrections copied per chunk)."""
+    mesh = parse_mesh("1x1x4").with_microbatches(4)
+    g = capture(load_model("examples/gpt.py", {"preset": "tiny", "layers": layers}), mesh, 8, OptimizerConfig(), None)
+    ctx = CompileContext(verify=False)
+    for p in default_pipeline(PipelineOptions(microbatches=4)):
+        if p.name == SbpPropagate.name:
+            break
+        g = p.apply(g, ctx)
+    sizes = tuple(g.mesh.size(a) for a in g.mesh.sbp_axes)
+    solver = Solver(g, Layouts(g, RuleBook.load(strided_parts=()), sizes), sizes, AlphaBeta(), layer_classes(g, 4))
+    solver.fix_inputs()
+    return sum(len(odd) for _, odd in solver.state.weight.values())
+
+
+def test_per_chunk_copies_keep_pricing_independent_of_depth():
+    """Each pipeline chunk computes its own copy of Adam's bias corrections (per_chunk_hyper_ops).
+    Were the copies not a class, every layer's update would read a value no other layer reads
+    and be priced alone: the search's work would grow with the depth (the 1T's sbp-propagate
+    took 34 s, 11 s with the class)."""
+    assert _odd_members(8) == _odd_members(16)

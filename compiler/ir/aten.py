@@ -9,6 +9,7 @@ from functools import lru_cache
 
 import torch
 
+from sbpc.compiler.ir.types import Graph, InputKind, Role
 from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 from sbpc.runtime.rng import RANDOM_SHARD
 
@@ -84,3 +85,16 @@ def overwritten(n) -> list[str]:
         a = n.args[k] if k < len(n.args) else None
         refs += a if isinstance(a, list) else [a]
     return [r.name for r in refs] if refs and all(hasattr(r, "name") for r in refs) else []
+
+
+def hyper_only(graph: Graph) -> list[bool]:
+    """Per op: an optimizer op computed from hyperparameters and constants alone (the step's
+    bias corrections, SGD's -lr), pure and not random. Its value is the same on every rank and
+    chunk, so a pipeline computes it on each chunk that reads it (``per_chunk_hyper_ops``)."""
+    hyper = {i.value for i in graph.inputs_of(InputKind.HYPER)}
+    producer = graph.producers()
+    pure = [False] * len(graph.nodes)
+    for k, n in enumerate(graph.nodes):
+        pure[k] = (n.role == Role.OPTIMIZER and bool(n.outputs) and not is_random(n.op) and not is_mutating(n.op)
+                   and all(u in hyper or (u in producer and pure[producer[u]]) for u in n.uses()))
+    return pure

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.ir.aten import is_mutating, is_random
+from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Role, rename_uses
 from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, dependences,
                                                     first_readers, in_flight, layer_key, optimizer_owners,
@@ -113,10 +113,7 @@ def per_chunk_hyper_ops(graph: Graph) -> Graph:
     hyper = {i.value for i in graph.inputs_of(InputKind.HYPER)}
     nodes = graph.nodes
     producer = graph.producers()
-    pure = [False] * len(nodes)
-    for k, n in enumerate(nodes):
-        pure[k] = (n.role == Role.OPTIMIZER and bool(n.outputs) and not is_random(n.op) and not is_mutating(n.op)
-                   and all(u in hyper or (u in producer and pure[producer[u]]) for u in n.uses()))
+    pure = hyper_only(graph)
     # the chunks that read each pure op's results (a step output: its own chunk too)
     results = {o.value for o in graph.outputs}
     need = [{n.stage} if pure[k] and set(n.outputs) & results else set() for k, n in enumerate(nodes)]

@@ -7,6 +7,8 @@ module path that is the same once its layer indices are blanked (``h.17.attn.c_a
 (blanked module, role) group in their own layer. The optimizer nodes of a layer's parameters
 carry the parameter's module path, so they repeat too. An op of no module whose producers
 are in exactly one layer (autograd's sum of the gradients of a residual) is in that layer.
+The copies of a hyperparameter op on each pipeline chunk (Adam's bias corrections) are a
+class whose layers are the chunks.
 
 Each class with at least ``min_members`` members (in as many different layers) gets a
 representative in its middle layer, so that the representative's neighbours are layers as
@@ -20,8 +22,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.types import Graph, Node, Ref
 
+_CHUNK_COPY = "<chunk>"  # the blanked module of per-chunk copies (no module path has "<")
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
 
 
@@ -78,6 +82,7 @@ class LayerClasses:
 def layer_classes(graph: Graph, min_members: int = 3) -> LayerClasses:
     """The layer classes of ``graph`` (see the module docstring)."""
     types = graph.value_types()
+    hyper = hyper_only(graph)
     groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
     seen: dict[tuple, int] = {}
     layer_of: dict[str, tuple[int, ...]] = {}  # value -> the layer whose module path made it
@@ -86,6 +91,11 @@ def layer_classes(graph: Graph, min_members: int = 3) -> LayerClasses:
         blank, layer = blank_layers(module)
         if layer:
             layer_of.update(dict.fromkeys(n.outputs, layer))
+        elif hyper[idx] and n.stage is not None:
+            # a pipeline chunk's copy of a hyperparameter op (per_chunk_hyper_ops): the copies
+            # are a class across chunks, so that every layer's update reads its chunk's copy
+            # as the representative reads its own, and is priced with it
+            blank, layer = _CHUNK_COPY, (n.stage,)
         else:
             # an op of no module inside a layer (autograd's sum of a residual's gradients):
             # the layer of its producers, when they name exactly one

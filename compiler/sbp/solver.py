@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
+from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp.axis_use import MAX_PROBE
@@ -161,9 +162,17 @@ class Solver:
         rep, nodes, uses = st.cls.rep, st.graph.nodes, st.uses
         seen: dict[str, tuple] = {}
 
+        hyper = hyper_only(st.graph)
+
         def vctx(v: str):
             if v not in seen:
                 p = st.producer.get(v)
+                if p is not None and hyper[p] and not st.types[v].shape:
+                    # a scalar of hyperparameters alone (Adam's bias correction, a copy per
+                    # pipeline chunk): nothing splits it, so its conversions are free and
+                    # which other ops read it changes no reader's price
+                    seen[v] = ("hyper", rep[p], nodes[p].outputs.index(v))
+                    return seen[v]
                 src = ("node", rep[p], nodes[p].outputs.index(v)) if p is not None else ("input", st.sbp.get(v))
                 seen[v] = src, tuple(sorted({(rep[c], q) for c in st.consumers.get(v, ()) for q, u in enumerate(uses[c]) if u == v}))
             return seen[v]
