@@ -27,6 +27,7 @@ from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
 from sbpc.compiler.frontend.init_record import InitRecorder
+from sbpc.compiler.frontend.stamp import NotStampable, Repeated, Stamper, expand, find_repeated
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
 from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.mesh import Mesh
@@ -40,12 +41,15 @@ from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
 def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
-            config: ParallelConfig | None = None, precision: PrecisionSpec = PrecisionSpec()) -> Graph:
+            config: ParallelConfig | None = None, precision: PrecisionSpec = PrecisionSpec(),
+            stamp: bool = True) -> Graph:
     """The joint graph of ``source``. Hints (``sbpc.shard`` calls and ``config``) become
     ``sbpc.hint`` ops: on parameters right after the inputs, on activations where they occur.
     Under bf16 or fp16 the forward is traced inside ``torch.autocast``, so the graph holds
     torch's own casts (``_to_copy``) around the ops autocast lowers or keeps in fp32; the
-    parameters stay fp32 inputs and their gradients fp32 outputs (docs/precision.md)."""
+    parameters stay fp32 inputs and their gradients fp32 outputs (docs/precision.md).
+    ``stamp``: trace one of the model's repeated layers and stamp out the others (``stamp.py``:
+    the same graph, in a fraction of the time); False traces every layer."""
     config = config or ParallelConfig()
     hints = HintRecorder()
     token = ACTIVE.set(hints)
@@ -63,7 +67,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
             param_hints.update({n: hints.params[id(p)] for n, p in params if id(p) in hints.params})
             with _module_output_hints(model, config):
                 scale = [torch.empty((), dtype=torch.float32)] if precision.loss_scaling else []
-                gm = _trace_joint(model, source, params, buffers, batch, precision.compute, scale)
+                repeated = find_repeated(model, config) if stamp else None
+                gm = _trace_joint(model, source, params, buffers, batch, precision.compute, scale, repeated)
             init_nodes, init_outputs = recorder.to_init_region(params + buffers)
     finally:
         ACTIVE.reset(token)
@@ -176,9 +181,10 @@ def _build(source: ModelSource) -> torch.nn.Module:
 
 
 def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: Precision,
-                 scale: list[torch.Tensor]) -> torch.fx.GraphModule:
+                 scale: list[torch.Tensor], repeated: Repeated | None = None) -> torch.fx.GraphModule:
     """``scale``: fp16's loss scale (one 0-d tensor) or nothing; the gradients are those of
-    ``loss * scale``, as after ``GradScaler.scale(loss).backward()``."""
+    ``loss * scale``, as after ``GradScaler.scale(loss).backward()``. ``repeated``: layers
+    to trace once and stamp out (``stamp.py``)."""
     names = [n for n, _ in params] + [n for n, _ in buffers]
     forward_loc = _forward_location(model)
 
@@ -195,14 +201,24 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         seed = loss * scale_vals[0] if scale_vals else loss
         return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
-    with _module_paths(model), fx_traceback.preserve_node_meta():
-        try:
-            return make_fx(joint, tracing_mode="real", record_stack_traces=True)(
-                [p for _, p in params], [b for _, b in buffers], list(batch), scale)
-        except SbpcError:
-            raise
-        except Exception as err:
-            raise _capture_error(err, source) from err
+    def trace(stamper: Stamper | None) -> torch.fx.GraphModule:
+        with _module_paths(model), fx_traceback.preserve_node_meta(), \
+                (stamper.active() if stamper else contextlib.nullcontext()):
+            try:
+                gm = make_fx(joint, tracing_mode="real", record_stack_traces=True)(
+                    [p for _, p in params], [b for _, b in buffers], list(batch), scale)
+            except SbpcError:
+                raise
+            except Exception as err:
+                raise _capture_error(err, source) from err
+        return expand(gm, stamper, names) if stamper else gm
+
+    if repeated is None:
+        return trace(None)
+    try:
+        return trace(Stamper(repeated))
+    except NotStampable:
+        return trace(None)  # layer 1 is not a template the copies can follow: trace them all
 
 
 def _capture_error(err: Exception, source: ModelSource) -> CaptureError:

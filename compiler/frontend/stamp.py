@@ -1,0 +1,457 @@
+"""Capture one layer, stamp out the copies.
+
+A model's repeated layers (the longest ``ModuleList`` / ``Sequential`` of identical copies)
+cost the same to trace each time: ``make_fx`` is ~0.25 s per 1T layer. While the joint graph is
+traced, layer 0 runs as it is, layer 1 runs between identity marks (``sbpc_stamp.mark``: its
+tensor inputs and outputs, and their gradients, so its forward and backward ops can be found
+in the graph), and every later layer is one opaque op, ``sbpc_stamp.layer(k, inputs +
+params)``, whose autograd formula is one opaque ``sbpc_stamp.layer_backward(k, grads)``.
+``expand`` then rebuilds the graph in program order: each opaque op becomes a copy of layer 1's
+forward ops (inputs, parameters, module paths and autograd sequence numbers re-bound to layer
+k), each opaque backward a copy of layer 1's backward ops, and the marks disappear. Nodes are
+named as ``make_fx`` names them (the op's name and a counter, in program order), so the graph
+is the one a whole trace makes, node for node and name for name (tests/test_stamp.py).
+
+Stamping is only tried where it cannot change the program: the copies have the same classes,
+parameter and buffer shapes, plain attributes (so ``layer_idx``-style fields make a model trace
+whole) and no hooks of their own; the configuration hints every copy alike; a layer takes and
+returns the same kinds of values as layer 1; layer 1's ops read nothing but its inputs and
+parameters. Anything else runs that layer as it is: a whole trace, only slower.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from sbpc.compiler.frontend.fx_import import MODULE_KEY
+from sbpc.compiler.frontend.hints import STAGE_KEY, ParallelConfig
+
+MIN_LAYERS = 4  # fewer copies trace whole: stamping saves little there
+
+_ACTIVE: contextvars.ContextVar["Stamper | None"] = contextvars.ContextVar("sbpc_stamper", default=None)
+
+
+@torch.library.custom_op("sbpc_stamp::mark", mutates_args=())
+def _mark(role: int, index: int, x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_mark.register_fake
+def _(role, index, x):
+    return torch.empty_like(x)
+
+
+def _mark_setup(ctx, inputs, output):
+    ctx.role, ctx.index = inputs[0], inputs[1]
+
+
+def _mark_backward(ctx, grad):
+    return None, None, _mark_grad(ctx.role, ctx.index, grad)
+
+
+_mark.register_autograd(_mark_backward, setup_context=_mark_setup)
+
+
+@torch.library.custom_op("sbpc_stamp::mark_grad", mutates_args=())
+def _mark_grad(role: int, index: int, g: torch.Tensor) -> torch.Tensor:
+    return g.clone()
+
+
+@_mark_grad.register_fake
+def _(role, index, g):
+    return torch.empty_like(g)
+
+
+@torch.library.custom_op("sbpc_stamp::layer", mutates_args=())
+def _layer(k: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("sbpc_stamp.layer is only traced")
+
+
+@_layer.register_fake
+def _(k, xs):
+    return [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in _ACTIVE.get().template.outs]
+
+
+def _layer_setup(ctx, inputs, output):
+    ctx.k = inputs[0]
+    ctx.set_materialize_grads(False)  # an output nobody differentiates gets no zeros op
+
+
+def _layer_backward_formula(ctx, *grads):
+    grads = grads[0] if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else grads
+    made = iter(_layer_backward(ctx.k, list(grads)))
+    return None, [next(made) if need else None for need in _ACTIVE.get().template.needs_grad]
+
+
+_layer.register_autograd(_layer_backward_formula, setup_context=_layer_setup)
+
+
+@torch.library.custom_op("sbpc_stamp::layer_backward", mutates_args=())
+def _layer_backward(k: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    raise RuntimeError("sbpc_stamp.layer_backward is only traced")
+
+
+@_layer_backward.register_fake
+def _(k, grads):
+    t = _ACTIVE.get().template
+    return [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m, need in zip(t.ins, t.needs_grad) if need]
+
+
+MARK = torch.ops.sbpc_stamp.mark.default
+MARK_GRAD = torch.ops.sbpc_stamp.mark_grad.default
+LAYER = torch.ops.sbpc_stamp.layer.default
+LAYER_BACKWARD = torch.ops.sbpc_stamp.layer_backward.default
+IN, OUT = 0, 1  # mark roles
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+@dataclass
+class Template:
+    """What layer 1 was called with and returned: a later layer is stamped only when it is
+    called alike (``signature``), and its opaque op returns ``outs``."""
+    signature: tuple  # (input tree spec, non-tensor leaves, input tensor metas)
+    ins: list[TensorMeta]  # the tensor inputs, then the layer's parameters and buffers
+    outs: list[TensorMeta]
+    out_spec: pytree.TreeSpec
+    out_leaves: list  # the output tree's leaves, tensors replaced by None
+    arg_count: int  # tensor inputs before the parameters
+
+    @property
+    def needs_grad(self) -> list[bool]:
+        return [m.requires_grad for m in self.ins]
+
+
+@dataclass
+class Repeated:
+    """The repeated layers: ``path`` is the list's module path (``h``, ``model.layers``)."""
+    path: str
+    layers: list[nn.Module]
+
+    def param_names(self, k: int) -> list[str]:
+        """Parameters then buffers of layer ``k``, as the trace's state names them."""
+        layer = self.layers[k]
+        return [f"{self.path}.{k}.{n}" for n, _ in layer.named_parameters()] + \
+               [f"{self.path}.{k}.{n}" for n, _ in layer.named_buffers()]
+
+
+@dataclass
+class Stamper:
+    repeated: Repeated
+    template: Template | None = None
+    stamped: set[int] = field(default_factory=set)  # the layers traced as one opaque op
+    repeats: bool = False  # a layer ran twice: its calls could not be told apart
+    _called: set[int] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _ACTIVE.set(self)
+        originals = []
+        for k, layer in enumerate(self.repeated.layers):
+            if k >= 1:
+                originals.append(layer)
+                layer.forward = _bound(self, k, type(layer).forward.__get__(layer))
+        try:
+            yield self
+        finally:
+            for layer in originals:
+                del layer.forward
+            _ACTIVE.reset(token)
+
+    def call(self, k: int, forward, args, kwargs):
+        layer = self.repeated.layers[k]
+        self.repeats |= k in self._called
+        self._called.add(k)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        state = [p for _, p in layer.named_parameters()] + [b for _, b in layer.named_buffers()]
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        signature = (spec, [None if isinstance(x, torch.Tensor) else x for x in flat],
+                     [TensorMeta.of(x) for x in tensors + state])
+        if k == 1:
+            return self._trace_template(forward, flat, spec, state, signature)
+        if self.template is None or not _same(signature, self.template.signature):
+            return forward(*args, **kwargs)
+        outs = _layer(k, tensors + state)
+        self.stamped.add(k)
+        made = iter(outs)
+        leaves = [next(made) if x is None else x for x in self.template.out_leaves]
+        return pytree.tree_unflatten(leaves, self.template.out_spec)
+
+    def _trace_template(self, forward, flat, spec, state, signature):
+        flat = [_mark(IN, i, x) if isinstance(x, torch.Tensor) else x
+                for i, x in enumerate(flat)]
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        out = forward(*args, **kwargs)
+        leaves, out_spec = pytree.tree_flatten(out)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if any(not x.is_contiguous() for x in tensors):
+            return out  # an opaque op's fake results are contiguous: the copies would trace otherwise
+        marked = iter([_mark(OUT, j, x) for j, x in enumerate(tensors)])
+        leaves = [next(marked) if isinstance(x, torch.Tensor) else x for x in leaves]
+        ins = signature[2]
+        self.template = Template(signature, ins, [TensorMeta.of(x) for x in tensors], out_spec,
+                                 [None if isinstance(x, torch.Tensor) else x for x in leaves],
+                                 len(ins) - len(state))
+        return pytree.tree_unflatten(leaves, out_spec)
+
+
+def _bound(stamper: Stamper, k: int, forward):
+    def stamped_forward(*args, **kwargs):
+        return stamper.call(k, forward, args, kwargs)
+    return stamped_forward
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a leaf whose == is not a truth value (a tensor-like): not alike
+        return False
+
+
+# ----- which layers may be stamped
+
+def find_repeated(model: nn.Module, config: ParallelConfig, min_layers: int = MIN_LAYERS) -> Repeated | None:
+    """The longest list of at least ``min_layers`` modules that are copies of one another (see
+    the module docstring), or None."""
+    best = None
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < max(min_layers, 3):
+            continue
+        layers = list(m)
+        if best is not None and len(layers) <= len(best.layers):
+            continue
+        if all(_alike(layers[1], x) for x in layers[:1] + layers[2:]) and _hinted_alike(path, layers, config):
+            best = Repeated(path, layers)
+    return best
+
+
+_MODULE_FIELDS = frozenset(vars(nn.Module()))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _alike(a: nn.Module, b: nn.Module) -> bool:
+    mods_a, mods_b = list(a.named_modules()), list(b.named_modules())
+    if [(n, type(m)) for n, m in mods_a] != [(n, type(m)) for n, m in mods_b]:
+        return False
+    for (_, x), (_, y) in zip(mods_a, mods_b):
+        if any(getattr(x, h, None) or getattr(y, h, None) for h in _HOOKS):
+            return False
+        mine = {k: v for k, v in vars(x).items() if k not in _MODULE_FIELDS}
+        theirs = {k: v for k, v in vars(y).items() if k not in _MODULE_FIELDS}
+        if mine.keys() != theirs.keys() or any(isinstance(v, torch.Tensor) for v in mine.values()):
+            return False
+        if not all(_same(mine[k], theirs[k]) for k in mine):
+            return False
+        if _tensor_metas(x) != _tensor_metas(y):
+            return False
+    return True
+
+
+def _tensor_metas(m: nn.Module) -> list:
+    return [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in m.named_parameters(recurse=False)] + \
+           [(n, tuple(t.shape), t.dtype) for n, t in m.named_buffers(recurse=False)]
+
+
+def _hinted_alike(path: str, layers: list[nn.Module], config: ParallelConfig) -> bool:
+    """Every copy's submodules get the hints (``[modules]`` globs) layer 1's get."""
+    for sub, _ in layers[1].named_modules():
+        suffix = f".{sub}" if sub else ""
+        want = config.module_hint(f"{path}.1{suffix}")
+        if any(config.module_hint(f"{path}.{k}{suffix}") != want for k in range(len(layers))):
+            return False
+    return True
+
+
+# ----- the expansion
+
+class NotStampable(Exception):
+    """Layer 1's ops read something other than its inputs and parameters (or another case the
+    copies could not follow): the caller traces the model whole."""
+
+
+def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -> torch.fx.GraphModule:
+    """The graph with every opaque layer replaced by a copy of layer 1 (module docstring).
+    ``state_names``: the joint's placeholders' names (parameters, then buffers), in order."""
+    nodes = list(gm.graph.nodes)
+    if not stamper.stamped:
+        return gm
+    if stamper.repeats:
+        raise NotStampable("a layer was called more than once")
+    t = _regions(nodes, stamper, state_names)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    forward_env: dict[int, dict] = {}  # layer -> template node -> its copy
+    inputs: dict[int, list] = {}  # layer -> what its opaque op was given, re-bound
+    for n in nodes:
+        if n.op == "call_function" and n.target in (MARK, MARK_GRAD):
+            env[n] = env[n.args[2]]
+        elif n.op == "call_function" and n.target is LAYER:
+            k = n.args[0]
+            inputs[k] = [env[x] for x in n.args[1]]
+            bound = dict(zip(t.inputs, inputs[k]))
+            forward_env[k] = _copy(graph, t.forward, bound, stamper.repeated.path, k, n, t.seq_nrs)
+            for j, out in enumerate(t.outputs):
+                env[(n, j)] = forward_env[k][out] if out in forward_env[k] else bound[out]
+        elif n.op == "call_function" and n.target is LAYER_BACKWARD:
+            k = n.args[0]
+            bound = dict(forward_env[k])
+            for g, j in t.incoming.items():
+                got = n.args[1][j] if j < len(n.args[1]) else None
+                if got is None:
+                    raise NotStampable(f"layer {k}'s output {j} gets no gradient while layer 1's does")
+                bound[g] = env[got]
+            bound.update(zip(t.inputs, inputs[k]))
+            made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t.seq_nrs)
+            for i, g in enumerate(t.outgoing):
+                env[(n, i)] = made.get(g, bound.get(g))
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0].target in (LAYER, LAYER_BACKWARD):
+            env[n] = env[(n.args[0], n.args[1])]
+        elif n.op in ("placeholder", "output", "get_attr"):
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        else:
+            env[n] = graph.create_node(n.op, n.target, _map(n.args, env.__getitem__), _map(n.kwargs, env.__getitem__), _base(graph, n))
+            env[n].meta = n.meta
+    return torch.fx.GraphModule(gm, graph)
+
+
+
+
+@dataclass
+class _Regions:
+    inputs: list[torch.fx.Node]  # layer 1's marked inputs, then its parameter placeholders
+    outputs: list[torch.fx.Node]  # what layer 1's output marks read
+    forward: list[torch.fx.Node]  # layer 1's forward ops, in order
+    backward: list[torch.fx.Node]  # layer 1's backward ops, in order
+    incoming: dict[torch.fx.Node, int]  # an output's gradient mark -> that output's index
+    outgoing: list[torch.fx.Node]  # per input needing a gradient, the node that makes it
+    seq_nrs: frozenset  # the autograd sequence numbers of layer 1's forward ops
+
+
+def _regions(nodes: list[torch.fx.Node], stamper: Stamper, state_names: list[str]) -> _Regions:
+    t = stamper.template
+    pos = {n: i for i, n in enumerate(nodes)}
+    marks = [n for n in nodes if n.op == "call_function" and n.target is MARK]
+    grads = [n for n in nodes if n.op == "call_function" and n.target is MARK_GRAD]
+    ins = sorted((n for n in marks if n.args[0] == IN), key=lambda n: n.args[1])
+    outs = sorted((n for n in marks if n.args[0] == OUT), key=lambda n: n.args[1])
+    placeholders = dict(zip(state_names, [x for x in nodes if x.op == "placeholder"]))
+    params = [placeholders[name] for name in stamper.repeated.param_names(1)]
+    inputs = ins + params
+    if len(ins) != t.arg_count or len(inputs) != len(t.ins):
+        raise NotStampable("layer 1's marks do not match its inputs")
+    first, last = pos[ins[-1]] + 1, pos[outs[0]] if outs else None
+    if last is None or any(pos[m] < pos[ins[-1]] for m in outs):
+        raise NotStampable("layer 1 has no output marks after its inputs")
+    forward = nodes[first:last]
+    out_grads = [n for n in grads if n.args[0] == OUT]
+    in_grads = {n.args[1]: n for n in grads if n.args[0] == IN}
+    if not out_grads:
+        raise NotStampable("no gradient reaches layer 1")
+    start = max(pos[n] for n in out_grads) + 1
+    end = max((pos[n] for n in in_grads.values()), default=start)
+    # layer 1's parameter gradients are made in its backward too: the region runs to the last of them
+    flat_out = pytree.tree_flatten(nodes[-1].args[0])[0]  # [loss, *parameter gradients]
+    grad_of = lambda name: flat_out[1 + state_names.index(name)]
+    named = stamper.repeated.param_names(1)
+    param_grads = [grad_of(name) for name, need in zip(named[:len(t.ins) - t.arg_count], t.needs_grad[t.arg_count:])
+                   if need]
+    if not all(isinstance(g, torch.fx.Node) for g in param_grads):
+        raise NotStampable("a parameter of layer 1 gets no gradient")
+    end = max([end] + [pos[g] + 1 for g in param_grads])
+    backward = [n for n in nodes[start:end] if not (n.op == "call_function" and n.target in (MARK, MARK_GRAD))]
+    incoming = {n: n.args[1] for n in out_grads}
+    outgoing = []
+    for i, need in enumerate(t.needs_grad[:t.arg_count]):
+        if need:
+            if i not in in_grads:
+                raise NotStampable(f"layer 1's input {i} gets no gradient")
+            outgoing.append(in_grads[i].args[2])
+    outgoing += param_grads
+    stage = {(m.meta.get("custom") or {}).get(STAGE_KEY) for m in ins}
+    if len(stage) > 1 or any((n.meta.get("custom") or {}).get(STAGE_KEY) not in stage for n in forward):
+        raise NotStampable("a stage scope inside layer 1")  # the copies' scopes are their call sites'
+    seq_nrs = frozenset(n.meta.get("seq_nr") for n in forward) - {None, -1, "-1"}
+    regions = _Regions(inputs, [m.args[2] for m in outs], forward, backward, incoming, outgoing, seq_nrs)
+    _check_closed(regions)
+    return regions
+
+
+def _check_closed(r: _Regions) -> None:
+    """Layer 1's forward reads only its inputs and itself; its backward only those, its forward
+    and the incoming gradients: what a copy can be re-bound to."""
+    fwd = set(r.forward)
+    known = set(r.inputs) | fwd
+    for n in r.forward:
+        for a in n.all_input_nodes:
+            if a not in known:
+                raise NotStampable(f"layer 1's {n.name} reads {a.name}, made outside the layer")
+    known |= set(r.backward) | set(r.incoming)
+    for n in r.backward:
+        for a in n.all_input_nodes:
+            if a not in known:
+                raise NotStampable(f"layer 1's backward {n.name} reads {a.name}, made outside the layer")
+    for x in r.outputs + r.outgoing:
+        if x not in known:
+            raise NotStampable(f"{x.name} is not made by layer 1")
+
+
+def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, path: str, k: int,
+          site: torch.fx.Node, own: frozenset) -> dict:
+    """Copies of ``template`` for layer ``k``: arguments re-bound (``bound``, then the copies),
+    module paths ``{path}.1...`` -> ``{path}.{k}...``, autograd sequence numbers per copy (a
+    backward op finds its forward op's location by it), a stage scope taken from the call site."""
+    made: dict = {}
+    look = lambda a: made[a] if a in made else bound[a]
+    old, new = f"{path}.1", f"{path}.{k}"
+    stage = (site.meta.get("custom") or {}).get(STAGE_KEY) if site.target is LAYER else None
+    for n in template:
+        c = graph.create_node(n.op, n.target, _map(n.args, look), _map(n.kwargs, look), _base(graph, n))
+        meta = dict(n.meta)
+        custom = dict(meta.get("custom") or {})
+        module = custom.get(MODULE_KEY)
+        if module is not None and (module == old or module.startswith(old + ".")):
+            custom[MODULE_KEY] = new + module[len(old):]
+        if site.target is LAYER:
+            custom.pop(STAGE_KEY, None)
+            if stage is not None:
+                custom[STAGE_KEY] = stage
+        meta["custom"] = custom
+        if meta.get("seq_nr") in own:  # (a stale one, on autograd's sums, is left as it is)
+            meta["seq_nr"] = (k, meta["seq_nr"])
+        c.meta = meta
+        made[n] = c
+    return made
+
+
+def _map(a, look):
+    return torch.fx.node.map_arg(a, look)
+
+
+_SUFFIX = re.compile(r"_\d+$")
+
+
+def _base(graph: torch.fx.Graph, n: torch.fx.Node) -> str:
+    """The name make_fx gives a node before its counter: the op's name (``mm``), ``getitem``."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return graph._target_to_str(n.target.overloadpacket.__name__)
+    if callable(n.target):
+        return graph._target_to_str(n.target)
+    return _SUFFIX.sub("", n.name)
