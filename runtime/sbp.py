@@ -25,12 +25,26 @@ class Split:
     dim: int
     parts: int = 1  # > 1: a strided split over that many blocks
 
+    # nd-SBP tuples are dict keys in the compiler's hottest loops (a tuple hashes its items
+    # each time): the hash is computed once, not per lookup
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((Split, self.dim, self.parts)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt by the constructor: a hash is only valid in its own process
+        return Split, (self.dim, self.parts)
+
     def __repr__(self) -> str:
         return f"S({self.dim})" if self.parts == 1 else f"S({self.dim}:{self.parts})"
 
 
 @dataclass(frozen=True)
 class Broadcast:
+    def __hash__(self) -> int:
+        return _B_HASH
+
     def __repr__(self) -> str:
         return "B"
 
@@ -39,10 +53,20 @@ class Broadcast:
 class Partial:
     reduce: str = "sum"  # "sum" or "max"
 
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((Partial, self.reduce)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return Partial, (self.reduce,)
+
     def __repr__(self) -> str:
         return "P" if self.reduce == "sum" else f"P({self.reduce})"
 
 
+_B_HASH = hash(Broadcast)
 Sbp = Split | Broadcast | Partial
 NdSbp = tuple[Sbp, ...]
 
