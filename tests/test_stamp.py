@@ -29,6 +29,10 @@ CASES = {
     "gpt-megatron-sp": ("examples/gpt.py", {"layers": 6, "sp": 1}, "2x2", "examples/gpt.megatron.toml", "fp32"),
     "gpt-stages": ("examples/gpt.py", {"layers": 6}, "1x1x2", "examples/gpt.pp.toml", "fp32"),
     "torch-encoder": ("tests/zoo/torch_decoder.py", {"layers": 5}, "2x2", None, "bf16"),
+    # Hugging Face layers differ in `layer_idx` (read only with a KV cache) and hold their
+    # rotary kernel in a per-layer helper module made by a factory
+    "hf-llama-megatron": ("examples/hf_llama.py", {"layers": 4}, "2x2", "examples/hf_llama.megatron.toml", "fp32"),
+    "hf-bert": ("tests/zoo/bert.py", {"layers": 4}, "1", None, "fp32"),
 }
 
 
@@ -104,15 +108,18 @@ _MODEL = """
 
 
 def test_layers_that_differ_are_traced_whole(tmp_path, stamped_layers):
-    """A layer whose plain attributes differ (here the index its forward reads) may trace
-    otherwise: no stamping, and the graph is the whole trace's."""
+    """Copies whose plain attributes differ (here the index) are stamped only if layer 1's
+    forward never reads those attributes: this one branches on it, so every layer is traced
+    as it is."""
     path = _write(tmp_path, _MODEL.replace("{body}", "return self.fc(x) if self.index % 2 else torch.relu(self.fc(x))"))
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        assert find_repeated(load_model(path, {}).build(), ParallelConfig()) is None
+        repeated = find_repeated(load_model(path, {}).build(), ParallelConfig())
+    assert repeated is not None and repeated.differ == {("", "index")}
     graph = _capture(path, {}, "1", None, "fp32", stamp=True)
     assert not stamped_layers
     ops = [n.op for n in graph.nodes if n.loc and n.loc.module.startswith("layers.")]
     assert ops.count("aten.relu.default") == 3
+    assert print_graph(graph) == print_graph(_capture(path, {}, "1", None, "fp32", stamp=False))
 
 
 def test_a_layer_reading_an_outside_value_is_traced_whole(tmp_path, stamped_layers):
@@ -126,3 +133,41 @@ def test_a_layer_reading_an_outside_value_is_traced_whole(tmp_path, stamped_laye
     assert not stamped_layers  # tried, refused, traced again whole
     assert stamped == print_graph(_capture(path, {}, "1", None, "fp32", stamp=False))
     assert stamped.count("aten.mul.Tensor") >= 6 + 6  # every layer's use, and its gradient
+
+
+_CALLED_ONE_BY_ONE = """
+    import torch
+    from torch import nn
+    import sbpc
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+
+        def forward(self, x, y):
+            x = self.h[1](self.h[0](x))
+            x = torch.relu(self.h[2](x))
+            with sbpc.stage(1):
+                x = self.h[4](self.h[3](x))
+            return ((x - y) ** 2).mean()
+
+    def build_model():
+        return Net()
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 16), torch.randn(batch_size, 16)
+"""
+
+
+def test_copies_take_their_own_call_site_and_stage(tmp_path, stamped_layers):
+    """Layers called one by one, on other lines and in a stage scope: each copy's ops carry its
+    own call's file:line (a torch layer's ops have no frame of the user's inside it) and chunk."""
+    path = _write(tmp_path, _CALLED_ONE_BY_ONE)
+    stamped = _capture(path, {}, "1x1x2", None, "fp32", stamp=True)
+    assert stamped_layers == [2, 3, 4]
+    assert print_graph(stamped) == print_graph(_capture(path, {}, "1x1x2", None, "fp32", stamp=False))
+    lines = {n.loc.module: n.loc.line for n in stamped.nodes if n.role.value == "fwd" and n.loc and n.loc.module}
+    assert lines["h.2"] == lines["h.1"] + 1 and lines["h.3"] == lines["h.4"] == lines["h.1"] + 3
+    chunks = {n.loc.module: n.stage for n in stamped.nodes if n.role.value == "fwd" and n.loc and n.loc.module}
+    assert chunks["h.3"] == chunks["h.4"] == 1 and chunks["h.2"] is None

@@ -114,13 +114,14 @@ IN, OUT = 0, 1  # mark roles
 @dataclass(frozen=True)
 class TensorMeta:
     shape: tuple[int, ...]
+    stride: tuple[int, ...]  # a view's layout can change what the layer traces
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
 
 @dataclass
@@ -144,6 +145,9 @@ class Repeated:
     """The repeated layers: ``path`` is the list's module path (``h``, ``model.layers``)."""
     path: str
     layers: list[nn.Module]
+    # plain attributes (submodule path, name) that differ between copies (``layer_idx``): a
+    # copy is stamped only if layer 1's forward never reads them (``_Watch``)
+    differ: frozenset[tuple[str, str]] = frozenset()
 
     def param_names(self, k: int) -> list[str]:
         """Parameters then buffers of layer ``k``, as the trace's state names them."""
@@ -198,7 +202,10 @@ class Stamper:
         flat = [_mark(IN, i, x) if isinstance(x, torch.Tensor) else x
                 for i, x in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-        out = forward(*args, **kwargs)
+        with _Watch(self.repeated.layers[1], self.repeated.differ) as watch:
+            out = forward(*args, **kwargs)
+        if watch.read:
+            return out  # layer 1 read an attribute the copies differ in: they may trace otherwise
         leaves, out_spec = pytree.tree_flatten(out)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if any(not x.is_contiguous() for x in tensors):
@@ -212,17 +219,67 @@ class Stamper:
         return pytree.tree_unflatten(leaves, out_spec)
 
 
+class _Watch:
+    """While layer 1's forward runs, its attributes in ``differ`` are read through a property
+    (the module's class is swapped for a subclass that has one), so that a read is seen."""
+
+    def __init__(self, layer: nn.Module, differ):
+        self.read: set[tuple[str, str]] = set()
+        self._swapped = []
+        by_module: dict[str, list[str]] = {}
+        for path, name in differ:
+            by_module.setdefault(path, []).append(name)
+        self._plan = [(layer.get_submodule(path), path, names) for path, names in sorted(by_module.items())]
+
+    def __enter__(self):
+        for module, path, names in self._plan:
+            cls = type(module)
+            props = {name: self._property(path, name) for name in names}
+            module.__class__ = type(cls.__name__, (cls,), props)
+            self._swapped.append((module, cls))
+        return self
+
+    def _property(self, path: str, name: str) -> property:
+        def get(module):
+            self.read.add((path, name))
+            return module.__dict__[name]
+
+        def put(module, value):
+            self.read.add((path, name))
+            module.__dict__[name] = value
+        return property(get, put)
+
+    def __exit__(self, *exc):
+        for module, cls in self._swapped:
+            module.__class__ = cls
+        return False
+
+
 def _bound(stamper: Stamper, k: int, forward):
     def stamped_forward(*args, **kwargs):
         return stamper.call(k, forward, args, kwargs)
     return stamped_forward
 
 
-def _same(a, b) -> bool:
+def _same(a, b, depth: int = 3) -> bool:
+    """Equal, or (objects compared by identity, such as a per-layer helper object or a dict of
+    them) of one type with equal attributes, to a small depth."""
     try:
-        return bool(a == b)
+        if a is b or bool(a == b):
+            return True
     except Exception:  # a leaf whose == is not a truth value (a tensor-like): not alike
         return False
+    if isinstance(a, nn.Module) and isinstance(b, nn.Module):  # a module kept outside the tree
+        return depth > 0 and _differences(a, b) == set()
+    if depth == 0 or type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
+    if type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return _same(vars(a), vars(b), depth - 1)
+    return False
 
 
 # ----- which layers may be stamped
@@ -237,8 +294,9 @@ def find_repeated(model: nn.Module, config: ParallelConfig, min_layers: int = MI
         layers = list(m)
         if best is not None and len(layers) <= len(best.layers):
             continue
-        if all(_alike(layers[1], x) for x in layers[:1] + layers[2:]) and _hinted_alike(path, layers, config):
-            best = Repeated(path, layers)
+        diffs = [_differences(layers[1], x) for x in layers[:1] + layers[2:]]
+        if all(d is not None for d in diffs) and _hinted_alike(path, layers, config):
+            best = Repeated(path, layers, frozenset().union(*diffs))
     return best
 
 
@@ -247,22 +305,49 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def _alike(a: nn.Module, b: nn.Module) -> bool:
+def _differences(a: nn.Module, b: nn.Module) -> set[tuple[str, str]] | None:
+    """The plain attributes (submodule path, name) in which copy ``b`` differs from ``a``, or
+    None when ``b`` is not a copy at all (other classes, parameters, buffers, hooks, a tensor
+    attribute)."""
     mods_a, mods_b = list(a.named_modules()), list(b.named_modules())
-    if [(n, type(m)) for n, m in mods_a] != [(n, type(m)) for n, m in mods_b]:
-        return False
-    for (_, x), (_, y) in zip(mods_a, mods_b):
+    if [n for n, _ in mods_a] != [n for n, _ in mods_b] or \
+            not all(_same_class(type(x), type(y)) for (_, x), (_, y) in zip(mods_a, mods_b)):
+        return None
+    out = set()
+    for (path, x), (_, y) in zip(mods_a, mods_b):
         if any(getattr(x, h, None) or getattr(y, h, None) for h in _HOOKS):
-            return False
+            return None
         mine = {k: v for k, v in vars(x).items() if k not in _MODULE_FIELDS}
         theirs = {k: v for k, v in vars(y).items() if k not in _MODULE_FIELDS}
         if mine.keys() != theirs.keys() or any(isinstance(v, torch.Tensor) for v in mine.values()):
-            return False
-        if not all(_same(mine[k], theirs[k]) for k in mine):
-            return False
+            return None
         if _tensor_metas(x) != _tensor_metas(y):
-            return False
-    return True
+            return None
+        out.update((path, k) for k in mine if not _same(mine[k], theirs[k]))
+    return out
+
+
+def _same_class(a: type, b: type) -> bool:
+    """One class, or two made by one factory (a class defined in a function, once per layer):
+    the same name, module and code of every method."""
+    if a is b:
+        return True
+    if (a.__qualname__, a.__module__, a.__bases__) != (b.__qualname__, b.__module__, b.__bases__) or \
+            vars(a).keys() != vars(b).keys():
+        return False
+    return all(_same_function(vars(a)[k], vars(b)[k]) if callable(vars(a)[k]) else _same(vars(a)[k], vars(b)[k], 1)
+               for k in vars(a) if k not in ("__dict__", "__weakref__", "__doc__"))
+
+
+def _same_function(f, g) -> bool:
+    """The same function, or one made twice from one definition with equal defaults and
+    closures (the factory's arguments)."""
+    if f is g:
+        return True
+    if getattr(f, "__code__", None) is None or getattr(f, "__code__", None) is not getattr(g, "__code__", None):
+        return False
+    cells = lambda h: [c.cell_contents for c in h.__closure__ or ()]
+    return _same(f.__defaults__, g.__defaults__, 1) and _same(cells(f), cells(g), 2)
 
 
 def _tensor_metas(m: nn.Module) -> list:
@@ -291,23 +376,26 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
     """The graph with every opaque layer replaced by a copy of layer 1 (module docstring).
     ``state_names``: the joint's placeholders' names (parameters, then buffers), in order."""
     nodes = list(gm.graph.nodes)
-    if not stamper.stamped:
-        return gm
+    if not any(n.op == "call_function" and n.target is MARK for n in nodes):
+        return gm  # layer 1 never ran: nothing was marked
     if stamper.repeats:
         raise NotStampable("a layer was called more than once")
-    t = _regions(nodes, stamper, state_names)
+    # without stamped layers (layer 1 was no template) the rebuild only drops layer 1's marks
+    t = _regions(nodes, stamper, state_names) if stamper.stamped else None
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     forward_env: dict[int, dict] = {}  # layer -> template node -> its copy
     inputs: dict[int, list] = {}  # layer -> what its opaque op was given, re-bound
+    sites: dict[int, tuple] = {}  # layer -> the stack frames of its call site
     for n in nodes:
         if n.op == "call_function" and n.target in (MARK, MARK_GRAD):
             env[n] = env[n.args[2]]
         elif n.op == "call_function" and n.target is LAYER:
             k = n.args[0]
             inputs[k] = [env[x] for x in n.args[1]]
+            sites[k] = t.stacks.call_site(n)
             bound = dict(zip(t.inputs, inputs[k]))
-            forward_env[k] = _copy(graph, t.forward, bound, stamper.repeated.path, k, n, t.seq_nrs)
+            forward_env[k] = _copy(graph, t.forward, bound, stamper.repeated.path, k, n, t, sites[k])
             for j, out in enumerate(t.outputs):
                 env[(n, j)] = forward_env[k][out] if out in forward_env[k] else bound[out]
         elif n.op == "call_function" and n.target is LAYER_BACKWARD:
@@ -319,7 +407,7 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
                     raise NotStampable(f"layer {k}'s output {j} gets no gradient while layer 1's does")
                 bound[g] = env[got]
             bound.update(zip(t.inputs, inputs[k]))
-            made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t.seq_nrs)
+            made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t, sites[k])
             for i, g in enumerate(t.outgoing):
                 env[(n, i)] = made.get(g, bound.get(g))
         elif n.op == "call_function" and n.target is operator.getitem and n.args[0].target in (LAYER, LAYER_BACKWARD):
@@ -343,6 +431,7 @@ class _Regions:
     incoming: dict[torch.fx.Node, int]  # an output's gradient mark -> that output's index
     outgoing: list[torch.fx.Node]  # per input needing a gradient, the node that makes it
     seq_nrs: frozenset  # the autograd sequence numbers of layer 1's forward ops
+    stacks: _Stacks
 
 
 def _regions(nodes: list[torch.fx.Node], stamper: Stamper, state_names: list[str]) -> _Regions:
@@ -389,9 +478,52 @@ def _regions(nodes: list[torch.fx.Node], stamper: Stamper, state_names: list[str
     if len(stage) > 1 or any((n.meta.get("custom") or {}).get(STAGE_KEY) not in stage for n in forward):
         raise NotStampable("a stage scope inside layer 1")  # the copies' scopes are their call sites'
     seq_nrs = frozenset(n.meta.get("seq_nr") for n in forward) - {None, -1, "-1"}
-    regions = _Regions(inputs, [m.args[2] for m in outs], forward, backward, incoming, outgoing, seq_nrs)
+    grad_mark = next((m for m, need in zip(ins, t.needs_grad) if need), ins[0])
+    regions = _Regions(inputs, [m.args[2] for m in outs], forward, backward, incoming, outgoing, seq_nrs,
+                       _Stacks.of(grad_mark, forward))
     _check_closed(regions)
     return regions
+
+
+def _frames(stack: str | None) -> tuple[str, ...]:
+    """A recorded stack trace (``File "f", line n, in fn\n    code``, outermost first) as frames."""
+    return tuple(stack.split("\n  ")) if stack else ()
+
+
+@dataclass
+class _Stacks:
+    """The copies' stack traces (which give every op its user file:line). A layer-1 op's trace is
+    layer 1's call site (``prefix``) then the layer's own frames; its copy's is layer k's call
+    site then the same frames. An opaque op's trace is its call site then ``machinery``, the
+    custom-op call's frames, which a mark's trace ends with too."""
+    prefix: tuple[str, ...]
+    machinery: tuple[str, ...]
+    _made: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, mark: torch.fx.Node, forward: list[torch.fx.Node]) -> _Stacks:
+        mine = _frames(mark.meta.get("stack_trace"))
+        p = len(mine)
+        for n in forward:
+            theirs = _frames(n.meta.get("stack_trace"))
+            if theirs:
+                p = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(p, len(theirs)))
+        return cls(mine[:p], mine[p:])
+
+    def call_site(self, op: torch.fx.Node) -> tuple[str, ...]:
+        frames = _frames(op.meta.get("stack_trace"))
+        cut = len(frames) - len(self.machinery)
+        if cut < 0 or frames[cut:] != self.machinery:
+            raise NotStampable("an opaque layer's stack trace does not end as layer 1's marks do")
+        return frames[:cut]
+
+    def rebase(self, stack: str | None, site: tuple[str, ...]) -> str | None:
+        key = (stack, site)
+        if key not in self._made:
+            frames = _frames(stack)
+            own = frames[:len(self.prefix)] == self.prefix
+            self._made[key] = "\n  ".join(site + frames[len(self.prefix):]) if own and frames else stack
+        return self._made[key]
 
 
 def _check_closed(r: _Regions) -> None:
@@ -414,10 +546,12 @@ def _check_closed(r: _Regions) -> None:
 
 
 def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, path: str, k: int,
-          site: torch.fx.Node, own: frozenset) -> dict:
+          site: torch.fx.Node, regions: _Regions, call_site: tuple[str, ...]) -> dict:
     """Copies of ``template`` for layer ``k``: arguments re-bound (``bound``, then the copies),
     module paths ``{path}.1...`` -> ``{path}.{k}...``, autograd sequence numbers per copy (a
-    backward op finds its forward op's location by it), a stage scope taken from the call site."""
+    backward op finds its forward op's location by it), the stage scope and the stack frames
+    of layer k's call site."""
+    own = regions.seq_nrs
     made: dict = {}
     look = lambda a: made[a] if a in made else bound[a]
     old, new = f"{path}.1", f"{path}.{k}"
@@ -436,6 +570,8 @@ def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, pat
         meta["custom"] = custom
         if meta.get("seq_nr") in own:  # (a stale one, on autograd's sums, is left as it is)
             meta["seq_nr"] = (k, meta["seq_nr"])
+        if "stack_trace" in meta:
+            meta["stack_trace"] = regions.stacks.rebase(meta["stack_trace"], call_site)
         c.meta = meta
         made[n] = c
     return made
