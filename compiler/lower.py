@@ -29,15 +29,15 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
     # input says separately how micro-batches split it
     axes = graph.mesh.sbp_axes
     mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
-    dev = lambda nd: [repr(s) for a, s in enumerate(nd) if a != mb]
+    dev = _DeviceSbp(mb)
     # the runtime only sees one micro-batch at a time: plan shapes are a micro-batch's
     per_mb = lambda t, nd: list(local_shape(t.shape, (nd[mb],), (graph.mesh.microbatches,))) \
         if mb is not None and nd else list(t.shape)
-    stages = sorted({n.stage for n in graph.nodes})
-    programs = [P.StageProgram(stage=s, loss=graph.outputs_of(OutputKind.LOSS)[0].value,
-                               instructions=[_instr(n, dies.get(i, []), dev, per_mb) for i, n in enumerate(graph.nodes)
-                                             if n.stage == s])
-                for s in stages]
+    by_stage: dict[int | None, list[P.Instruction]] = {}  # one walk of the program, not one per stage
+    for i, n in enumerate(graph.nodes):
+        by_stage.setdefault(n.stage, []).append(_instr(n, dies.get(i, []), dev, per_mb))
+    loss = graph.outputs_of(OutputKind.LOSS)[0].value
+    programs = [P.StageProgram(stage=s, loss=loss, instructions=by_stage[s]) for s in sorted(by_stage)]
     grad = {o.name: o.value for o in graph.outputs_of(OutputKind.GRAD)}
     update = {o.name: o.value for o in graph.outputs_of(OutputKind.UPDATE)}
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
@@ -69,6 +69,22 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         pipeline=graph.schedule,
         precision=precision,
     )
+
+
+class _DeviceSbp(dict):
+    """An nd-SBP as the plan spells it: one ``repr`` per device axis, the micro-batch axis
+    ``mb`` left out. Memoized: a 1T program has ~100k results and a few dozen distinct nd-SBPs.
+    Each call returns a new list (pydantic keeps the list it is given)."""
+
+    def __init__(self, mb: int | None):
+        super().__init__()
+        self.mb = mb
+
+    def __call__(self, nd) -> list[str]:
+        spelled = self.get(nd)
+        if spelled is None:
+            spelled = self[nd] = tuple(repr(s) for a, s in enumerate(nd) if a != self.mb)
+        return list(spelled)
 
 
 def _state_init(i) -> dict:
