@@ -265,6 +265,9 @@ class Graph:
     # forward values whose conversions the backward makes again instead of keeping the forward's
     # (sbp-propagate's memory term decides, boxing does it); not in the text IR, used up by boxing
     regather: frozenset[str] = frozenset()
+    # the pipeline's task graph of these nodes (compiler/passes/schedule.py's task_graph), kept
+    # with the node and output lists it was built from; not part of the graph's identity
+    _tasks: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def value_types(self) -> dict[str, TensorType]:
         types = {i.value: i.type for i in self.inputs}
