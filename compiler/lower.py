@@ -25,19 +25,13 @@ NEEDS = (Fact.ESTIMATES,)  # what the passes before lowering must provide (pass_
 def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates: dict[str, int],
           precision: P.PrecisionSpec = P.PrecisionSpec()) -> P.Plan:
     dies = last_uses(graph)
-    # the micro-batch axis is the compiler's: plan SBPs name device axes only, and a batch
-    # input says separately how micro-batches split it
-    axes = graph.mesh.sbp_axes
-    mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
-    dev = lambda nd: [repr(s) for a, s in enumerate(nd) if a != mb]
-    # the runtime only sees one micro-batch at a time: plan shapes are a micro-batch's
-    per_mb = lambda t, nd: list(local_shape(t.shape, (nd[mb],), (graph.mesh.microbatches,))) \
-        if mb is not None and nd else list(t.shape)
-    stages = sorted({n.stage for n in graph.nodes})
-    programs = [P.StageProgram(stage=s, loss=graph.outputs_of(OutputKind.LOSS)[0].value,
-                               instructions=[_instr(n, dies.get(i, []), dev, per_mb) for i, n in enumerate(graph.nodes)
-                                             if n.stage == s])
-                for s in stages]
+    spell = _Spelling(graph.mesh)
+    dev, mb = spell.sbp, spell.mb
+    by_stage: dict[int | None, list[P.Instruction]] = {}  # one walk of the program, not one per stage
+    for i, n in enumerate(graph.nodes):
+        by_stage.setdefault(n.stage, []).append(_instr(n, dies.get(i, []), spell))
+    loss = graph.outputs_of(OutputKind.LOSS)[0].value
+    programs = [P.StageProgram(stage=s, loss=loss, instructions=by_stage[s]) for s in sorted(by_stage)]
     grad = {o.name: o.value for o in graph.outputs_of(OutputKind.GRAD)}
     update = {o.name: o.value for o in graph.outputs_of(OutputKind.UPDATE)}
     spec = lambda i: dict(name=i.name, value=i.value, shape=list(i.type.shape), dtype=DTYPES[i.type.dtype],
@@ -59,7 +53,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],
         hyper=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.HYPER)],
         metrics={o.name: o.value for o in graph.outputs_of(OutputKind.METRIC)},
-        init=P.InitProgram(instructions=[_instr(n, [], dev, per_mb) for n in graph.init],
+        init=P.InitProgram(instructions=[_instr(n, [], spell) for n in graph.init],
                            outputs={o.name: o.value for o in graph.init_outputs}),
         optimizer=P.OptimizerSpec(kind=optimizer.kind, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                   weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
@@ -69,6 +63,48 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         pipeline=graph.schedule,
         precision=precision,
     )
+
+
+class _Spelling:
+    """The plan's spelling of an nd-SBP, a value's type and a source location, memoized: the 1T
+    program has ~100k results and ~45k instructions but a few hundred distinct types, and
+    building (validating) a pydantic model per occurrence was most of the lowering. Plan models
+    are frozen, so one instance stands wherever its value recurs."""
+
+    def __init__(self, mesh):
+        # the micro-batch axis is the compiler's: plan SBPs name device axes only, and a batch
+        # input says separately how micro-batches split it
+        axes = mesh.sbp_axes
+        self.mb = axes.index(MICROBATCH) if MICROBATCH in axes else None
+        self.microbatches = mesh.microbatches
+        self._sbp: dict[tuple, tuple[str, ...]] = {}
+        self._types: dict[tuple, P.ValueType] = {}
+        self._locs: dict[object, P.SourceLoc] = {}
+
+    def sbp(self, nd) -> list[str]:
+        """One ``repr`` per device axis (a new list each call: a caller may keep it)."""
+        key = tuple(nd)
+        spelled = self._sbp.get(key)
+        if spelled is None:
+            spelled = self._sbp[key] = tuple(repr(s) for a, s in enumerate(key) if a != self.mb)
+        return list(spelled)
+
+    def value_type(self, t, nd) -> P.ValueType:
+        key = (t, tuple(nd))
+        vt = self._types.get(key)
+        if vt is None:
+            # the runtime only sees one micro-batch at a time: plan shapes are a micro-batch's
+            shape = local_shape(t.shape, (nd[self.mb],), (self.microbatches,)) if self.mb is not None and nd else t.shape
+            vt = self._types[key] = P.ValueType(shape=list(shape), dtype=t.dtype, sbp=self.sbp(nd))
+        return vt
+
+    def loc(self, loc) -> P.SourceLoc | None:
+        if loc is None:
+            return None
+        spelled = self._locs.get(loc)
+        if spelled is None:
+            spelled = self._locs[loc] = P.SourceLoc(module=loc.module, file=loc.file, line=loc.line)
+        return spelled
 
 
 def _state_init(i) -> dict:
@@ -81,14 +117,13 @@ def _state_init(i) -> dict:
     return {"init": "zeros"}
 
 
-def _instr(n: Node, free: list[str], dev, per_mb) -> P.Instruction:
+def _instr(n: Node, free: list[str], spell: _Spelling) -> P.Instruction:
     sbps = n.sbp or [()] * len(n.outputs)
-    types = [P.ValueType(shape=per_mb(t, nd), dtype=t.dtype, sbp=dev(nd)) for t, nd in zip(n.types, sbps)]
-    loc = P.SourceLoc(module=n.loc.module, file=n.loc.file, line=n.loc.line) if n.loc else None
     return P.Instruction(op=n.op, args=[encode_arg(a) for a in n.args],
                          kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
-                         outs=list(n.outputs), types=types, free=free, role=n.role.value, stage=n.stage, loc=loc,
-                         sbp_in=[dev(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
+                         outs=list(n.outputs), types=[spell.value_type(t, nd) for t, nd in zip(n.types, sbps)],
+                         free=free, role=n.role.value, stage=n.stage, loc=spell.loc(n.loc),
+                         sbp_in=[spell.sbp(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
                          why=n.why, memory=n.memory)
 
 

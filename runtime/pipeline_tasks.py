@@ -92,8 +92,8 @@ class TaskGraph:
         self.producer: dict[str, tuple[int, str, int]] = {}
         items = list(items)
         parts = _opt_parts(items)
-        for it in items:
-            key = (it.chunk, it.phase, parts.get(it.index_key, 0))
+        for it, part in zip(items, parts):
+            key = (it.chunk, it.phase, part)
             body = self.bodies.setdefault(key, Body(*key))
             if it.op == TRANSFER:
                 body.recvs.append(it)
@@ -121,9 +121,8 @@ class TaskGraph:
                 for u in it.uses:
                     read_elsewhere.setdefault(u, set()).add(key)
         for key, body in self.bodies.items():
-            made = {o for it in body.kernels for o in it.outs}
-            given = {it.outs[0] for it in body.recvs + body.reads}
-            body.inputs = list(dict.fromkeys(u for it in body.kernels for u in it.uses if u not in made | given))
+            local = {o for it in body.kernels for o in it.outs} | {it.outs[0] for it in body.recvs + body.reads}
+            body.inputs = list(dict.fromkeys(u for it in body.kernels for u in it.uses if u not in local))
             sent = {s.value for s in self.sends.get(key, [])}
             body.outputs = [o for it in body.kernels for o in it.outs
                             if o in step_outputs or o in sent or o in self.accumulated
@@ -254,34 +253,36 @@ def fmt(t: Task) -> str:
     return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}") + (f"/{t.part}" if t.part else "")
 
 
-def _opt_parts(items: list[Item]) -> dict[tuple[int, int], int]:
-    """The part of every ``opt`` instruction. As early as it can run: one more than the part of
-    what a transfer into it carries, else the largest part among the same chunk's ``opt`` values
-    it reads. Then what is sent, or leaves the step unread, stays there, and every other
-    instruction moves as late as its readers allow (the smallest part among them): a value
-    made for a later part (an update's denominator, waiting for a received step count) is made
-    in that part, not held across the parts."""
-    producer = {o: it for it in items for o in it.outs}
+def _opt_parts(items: list[Item]) -> list[int]:
+    """The part of every ``opt`` instruction (0 for the others), per item. As early as it can
+    run: one more than the part of what a transfer into it carries, else the largest part among
+    the same chunk's ``opt`` values it reads. Then what is sent, or leaves the step unread,
+    stays there, and every other instruction moves as late as its readers allow (the smallest
+    part among them): a value made for a later part (an update's denominator, waiting for a
+    received step count) is made in that part, not held across the parts. Items are referred
+    to by their position in ``items`` (a plan's 1T program has ~35k of them)."""
+    at = {o: k for k, it in enumerate(items) for o in it.outs}
     # each opt instruction's opt-phase producers, found once for all rounds
-    opt = [(it, [producer[u] for u in it.uses if u in producer and producer[u].phase == "opt"])
-           for it in items if it.phase == "opt"]
-    part: dict[tuple[int, int], int] = {}
+    opt = [(k, it.op == TRANSFER, [at[u] for u in it.uses if u in at and items[at[u]].phase == "opt"])
+           for k, it in enumerate(items) if it.phase == "opt"]
+    part = [0] * len(items)
     changed = True
     while changed:  # a fixed point; rounds = the longest chain of opt-phase transfers + 1
         changed = False
-        for it, srcs in opt:
-            want = max((part.get(p.index_key, 0) for p in srcs), default=0) + (1 if it.op == TRANSFER and srcs else 0)
-            if part.get(it.index_key, 0) != want:
-                part[it.index_key] = want
+        for k, transfer, srcs in opt:
+            want = max((part[p] for p in srcs), default=0) + (1 if transfer and srcs else 0)
+            if part[k] != want:
+                part[k] = want
                 changed = True
-    readers: dict[str, list[Item]] = {}
-    for it in items:
+    readers: dict[str, list[int]] = {}
+    for k, it in enumerate(items):
         for u in it.uses:
-            readers.setdefault(u, []).append(it)
-    for it in reversed(items):  # readers first: the items are in program order, a topological one
+            readers.setdefault(u, []).append(k)
+    for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
+        it = items[k]
         if it.phase != "opt" or it.op == TRANSFER:
             continue
         rs = [r for o in it.outs for r in readers.get(o, [])]
-        if rs and all(r.phase == "opt" and r.chunk == it.chunk and r.op != TRANSFER for r in rs):
-            part[it.index_key] = min(part.get(r.index_key, 0) for r in rs)
+        if rs and all(items[r].phase == "opt" and items[r].chunk == it.chunk and items[r].op != TRANSFER for r in rs):
+            part[k] = min(part[r] for r in rs)
     return part

@@ -136,15 +136,27 @@ class Node:
     # how propagation (or a pass) chose it, for `sbpc explain`: not in the text IR, so not in a node's identity
     why: str | None = field(default=None, compare=False)
     memory: MemoryKind = MemoryKind.DEVICE  # placement's memory: host for the offloaded optimizer
+    # uses() of the ``args`` and ``kwargs`` objects it was computed from (see uses); not a field
+    # of the node's identity, and dataclasses.replace starts the copy without it
+    _uses: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
-    def uses(self) -> list[str]:
-        """The values it reads, in argument order, keyword arguments last. A list built in one
-        call, not a generator: passes call this millions of times on a 1T-parameter graph."""
+    def uses(self) -> tuple[str, ...]:
+        """The values it reads, in argument order, keyword arguments last. Passes call this
+        millions of times on a 1T-parameter graph (every pass and the verifier walk every
+        node's uses), so it is computed once per node and kept with the ``args`` and ``kwargs``
+        objects it came from: a pass that gives a node new arguments (assigning ``args`` or
+        ``kwargs``, or ``dataclasses.replace``) gets its new uses. Arguments are never changed
+        in place (a pass builds new tuples and dicts), which is what makes the cache valid."""
+        cached = self._uses
+        if cached is not None and cached[0] is self.args and cached[1] is self.kwargs:
+            return cached[2]
         out: list[str] = []
         _refs(self.args, out)
         if self.kwargs:
             _refs(self.kwargs.values(), out)
-        return out
+        uses = tuple(out)
+        self._uses = (self.args, self.kwargs, uses)
+        return uses
 
 
 def map_refs(a: Any, fn: Callable[[str], str]) -> Any:
@@ -253,6 +265,9 @@ class Graph:
     # forward values whose conversions the backward makes again instead of keeping the forward's
     # (sbp-propagate's memory term decides, boxing does it); not in the text IR, used up by boxing
     regather: frozenset[str] = frozenset()
+    # the pipeline's task graph of these nodes (compiler/passes/schedule.py's task_graph), kept
+    # with the node and output lists it was built from; not part of the graph's identity
+    _tasks: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def value_types(self) -> dict[str, TensorType]:
         types = {i.value: i.type for i in self.inputs}

@@ -20,14 +20,12 @@ from sbpc.errors import IRError
 def verify(graph: Graph, after: str = "") -> None:
     where = f" after pass {after!r}" if after else ""
     foreign = {i.value for i in graph.inputs if i.kind in (InputKind.BATCH, InputKind.BUFFER)}
-    _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False, foreign=foreign)
+    defined = _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False, foreign=foreign)
     _verify_overwrites(graph, where)
-    _verify_region(graph.init, set(), where, allow_mutation=True)
-    defined = {i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs}
+    init_defined = _verify_region(graph.init, set(), where, allow_mutation=True)
     for out in graph.outputs:
         if out.value not in defined:
             raise IRError(f"graph output {out.kind.value} {out.name!r} uses undefined value %{out.value}{where}")
-    init_defined = {o for n in graph.init for o in n.outputs}
     for out in graph.init_outputs:
         if out.value not in init_defined:
             raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
@@ -36,12 +34,14 @@ def verify(graph: Graph, after: str = "") -> None:
 
 
 def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutation: bool,
-                   foreign: set[str] = frozenset()) -> None:
+                   foreign: set[str] = frozenset()) -> set[str]:
+    """Checks ``nodes`` given the values ``defined`` before them (not changed); returns those
+    and every value the nodes define."""
     defined = set(defined)
     for n in nodes:
-        for use in n.uses():
-            if use not in defined:
-                raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
+        if not defined.issuperset(n.uses()):  # one set operation per node: the verifier runs after every pass
+            use = next(u for u in n.uses() if u not in defined)
+            raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
         if len(n.types) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
         if not allow_mutation and is_mutating(n.op) and not _update_overwrite(n, foreign):
@@ -51,6 +51,7 @@ def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutat
             if o in defined:
                 raise IRError(f"value %{o} is defined twice{where}", location=_loc(n))
             defined.add(o)
+    return defined
 
 
 def _update_overwrite(n: Node, foreign: set[str]) -> bool:

@@ -146,7 +146,8 @@ def _estimate(graph: Graph, store: Storages, timeline: list[Moment] | None) -> l
     from sbpc.compiler.passes.schedule import task_graph  # the schedule pass's own task graph
 
     tg = task_graph(graph)
-    return [_pipelined_stage(graph, tg, store, s, state[s], sbp_devices, timeline)
+    acc_of = {n.args[0].name: n.outputs[0] for n in graph.nodes if n.op == ACCUMULATE}  # once, not per stage
+    return [_pipelined_stage(graph, tg, store, acc_of, s, state[s], sbp_devices, timeline)
             for s in range(graph.schedule.stages)]
 
 
@@ -191,8 +192,9 @@ def _one_program(graph: Graph, store: Storages, state, ranks: int) -> RoleMemory
     return _role(0, 1, ranks, peak, state)
 
 
-def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks: int,
+def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], stage: int, state, ranks: int,
                      timeline: list[Moment] | None) -> RoleMemory:
+    """``acc_of``: each accumulated value -> its ``mb_accumulate`` result."""
     spec = graph.schedule
     pp, m = spec.stages, spec.microbatches
     nodes = graph.nodes
@@ -201,7 +203,6 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, stage: int, state, ranks
     inputs_here = {u for b in mine.values() for u in b.inputs}
     persistent = {store.root[i.value] for i in graph.inputs if i.kind != InputKind.BATCH and i.value in inputs_here}
     batch = {store.root[i.value] for i in graph.inputs if i.kind == InputKind.BATCH and i.value in inputs_here}
-    acc_of = {n.args[0].name: n.outputs[0] for n in nodes if n.op == ACCUMULATE}
     last_of_mb: dict[int, Task] = {}
     for t in order:
         if t.mb is not None:

@@ -101,7 +101,11 @@ class _Inserter:
         outputs = [replace(o, value=self.rename.get(o.value, o.value)) for o in self.g.outputs]
         if self.reduced_loss is not None:
             outputs = [replace(o, value=self.reduced_loss) if o.kind == OutputKind.LOSS else o for o in outputs]
-        outputs = [self._reduced_gradient(o) for o in self._restore_layouts(outputs)]
+        outputs = self._restore_layouts(outputs)
+        by_value: dict[str, list[tuple]] = {}  # the conversions of each value, in the order they were made
+        for (value, need, memory, _), name in self.boxed.items():
+            by_value.setdefault(value, []).append((need, memory, name))
+        outputs = [self._reduced_gradient(o, by_value.get(o.value, ())) for o in outputs]
         graph = replace(self.g, nodes=self.out, outputs=outputs, regather=frozenset())
         if all(n.sbp is not None for n in graph.nodes) and all(i.sbp is not None for i in graph.inputs):
             verify_boxed(graph)
@@ -168,32 +172,35 @@ class _Inserter:
     def _restore_layouts(self, outputs):
         """An updated param/state must leave the step in the layout it came in with."""
         by_name = {i.name: i for i in self.g.inputs if i.kind in (InputKind.PARAM, InputKind.STATE)}
+        made_on = {o: n.stage for n in self.out for o in n.outputs}  # the program so far; SSA: one maker each
         fixed = []
         for o in outputs:
             src = by_name.get(o.name) if o.kind == OutputKind.UPDATE else None
             moved = src is not None and self.mem.get(o.value, DEVICE) != src.memory
             if src is not None and (moved or src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp)):
-                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value),
+                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value, made_on),
                               memory=src.memory)
                 o = replace(o, value=self.convert(o.value, src.sbp, anchor))
             fixed.append(o)
         return fixed
 
-    def _reduced_gradient(self, o):
+    def _reduced_gradient(self, o, conversions):
         """A partial gradient that is reduced for the optimizer leaves the step reduced: the same
         logical tensor, and the partial then dies at its reduction instead of living to the end
-        of the step next to its reduced copy (twice the gradient's bytes)."""
+        of the step next to its reduced copy (twice the gradient's bytes). ``conversions``: the
+        (need, memory, name) of ``o``'s value made so far, in order."""
         have = self.sbp.get(o.value)
         if o.kind != OutputKind.GRAD or have is None or not any(isinstance(s, Partial) for s in have):
             return o
         mem = self.mem.get(o.value, DEVICE)
-        reduced = next((name for (value, need, memory, _), name in self.boxed.items() if value == o.value
-                        and memory == mem and need is not None and not any(isinstance(s, Partial) for s in need)), None)
+        reduced = next((name for need, memory, name in conversions
+                        if memory == mem and need is not None and not any(isinstance(s, Partial) for s in need)), None)
         return o if reduced is None else replace(o, value=reduced)
 
-    def _stage_of(self, value: str):
-        """The chunk that makes ``value`` (its conversion runs there too; the last one for an input)."""
-        made = next((n.stage for n in reversed(self.out) if value in n.outputs), None)
+    def _stage_of(self, value: str, made_on: dict):
+        """The chunk that makes ``value`` (its conversion runs there too; the last one for an
+        input). ``made_on``: value -> the chunk of its maker."""
+        made = made_on.get(value)
         return made if made is not None else (self.out[-1].stage if self.out else None)
 
 

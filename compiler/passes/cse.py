@@ -26,7 +26,8 @@ class CommonSubexpressionElimination:
         rename: dict[str, str] = {}
         nodes = []
         for n in graph.nodes:
-            n = rename_uses(n, lambda v: rename.get(v, v))
+            if any(u in rename for u in n.uses()):  # a copy only where a use changes: most nodes keep theirs
+                n = rename_uses(n, lambda v: rename.get(v, v))
             key = _key(n)
             first = seen.get(key) if key is not None else None
             if first is not None and first.types == n.types:

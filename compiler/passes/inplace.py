@@ -312,8 +312,10 @@ def _group(graph: Graph, where: _Where, floor: int) -> list[Node]:
         for n in run:
             for u in set(n.uses()):
                 inside[u] = inside.get(u, 0) + 1
-        # what is read after the run, or leaves the step, is held however the run is grouped
-        outlive = outputs | {o for n in run for o in n.outputs if inside.get(o, 0) < readers.get(o, 0)}
+        # what is read after the run, or leaves the step, is held however the run is grouped (of
+        # the run's own results, the only ones _slices asks about: not a copy of every graph
+        # output per run, ~4.6k runs x the 1T's outputs)
+        outlive = {o for n in run for o in n.outputs if o in outputs or inside.get(o, 0) < readers.get(o, 0)}
         for piece in _slices(run, sizes, floor, outlive):
             out.extend(_group_run(piece, types, store))
 

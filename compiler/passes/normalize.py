@@ -31,7 +31,8 @@ class Normalize:
         rename: dict[str, str] = {}
         nodes: list[Node] = []
         for n in graph.nodes:
-            n = rename_uses(n, lambda v: rename.get(v, v))
+            if any(u in rename for u in n.uses()):  # a copy only where a use changes: most nodes keep theirs
+                n = rename_uses(n, lambda v: rename.get(v, v))
             if n.op in _IDENTITY:
                 src = n.args[0]
                 rename[n.outputs[0]] = src.name

@@ -75,10 +75,20 @@ class Schedule:
 
 
 def task_graph(graph: Graph) -> TaskGraph:
+    """The runtime's tasks of ``graph``. Built once per graph: the verifier after each pass,
+    inplace and memory-plan ask for it of the same graph (a 1T pipeline's takes ~0.2 s). It is
+    kept on the graph with the node and output lists it came from; passes make new lists (and
+    new nodes), never change them in place."""
+    m = graph.mesh.microbatches
+    cached = graph._tasks
+    if cached is not None and cached[0] is graph.nodes and cached[1] is graph.outputs and cached[2] == m:
+        return cached[3]
     items = [Item(i, n.op, tuple(n.outputs), tuple(n.uses()), n.role.value, n.stage or 0,
                   n.kwargs.get("src") if n.op == TRANSFER else None) for i, n in enumerate(graph.nodes)]
     outs = [o.value for o in graph.outputs]
-    return TaskGraph(items, outs, graph.mesh.microbatches)
+    tg = TaskGraph(items, outs, m)
+    graph._tasks = (graph.nodes, graph.outputs, m, tg)
+    return tg
 
 
 def node_tasks(graph: Graph) -> list[tuple[int, str, int]]:

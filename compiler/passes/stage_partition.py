@@ -129,7 +129,8 @@ def per_chunk_hyper_ops(graph: Graph) -> Graph:
     out: list[Node] = []
     for k, n in enumerate(nodes):
         if not pure[k]:
-            out.append(rename_uses(n, lambda v: name.get((v, n.stage), v)))
+            renamed = any((u, n.stage) in name for u in n.uses())  # a copy only where a use changes
+            out.append(rename_uses(n, lambda v: name.get((v, n.stage), v)) if renamed else n)
             continue
         home = n.stage if n.stage in need[k] or not need[k] else min(need[k])
         for c in sorted({home} | need[k]):

@@ -89,30 +89,39 @@ def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtua
     deps = {t: graph.deps(t) for t in graph.tasks()}
     if schedule == ScheduleName.INTERLEAVED:
         return _timed(_interleaved_order(deps, p, m, virtual, limits), deps, cost, limits)
-    waiting = {d: [t for t in deps if t.chunk % p == d] for d in range(p)}
     priority = _priority(schedule, p, virtual)
+    has_bwd = {t.chunk for t in deps if t.phase == "bwd"}
+    queues = [_DeviceQueue(priority, has_bwd) for _ in range(p)]
+    waiting: list[set[Task]] = [set() for _ in range(p)]  # not started yet, per device
+    unmet: dict[Task, int] = {}  # dependencies that have not started yet
+    readers: dict[Task, list[Task]] = {}
+    rank = {t: k for k, t in enumerate(deps)}  # the order of ``deps`` breaks ties of priority
+    for t, ds in deps.items():
+        waiting[t.chunk % p].add(t)
+        unmet[t] = len(ds)
+        for x in ds:
+            readers.setdefault(x, []).append(t)
+        if not ds:
+            queues[t.chunk % p].arrive(t, -math.inf, rank[t])
     finish: dict[Task, float] = {}
-    ready_at: dict[Task, float] = {}  # once every dependency has started: when the last one ends
     held = [0] * p  # forwards whose backward has not run, per device
     peak = [0] * p
-    has_bwd = {t.chunk for t in deps if t.phase == "bwd"}
     busy_until = [0.0] * p
     running: list[tuple[float, int, Task]] = []
     order: list[list[Task]] = [[] for _ in range(p)]
     timeline: list[Slice] = []
-    now, seq = 0.0, 0
-    while any(waiting.values()):
+    now, seq, left = 0.0, 0, len(deps)
+    while left:
         _release(running, now, held, has_bwd, p)
         started = False
         for d in range(p):
             if busy_until[d] > now:
                 continue
-            ready = [t for t in waiting[d] if _ready_at(t, deps, finish, ready_at) <= now
-                     and not (t.phase == "fwd" and t.chunk in has_bwd and held[d] >= limits[d])]
-            if not ready:
+            t = queues[d].pop_first(now, allow_fwd=held[d] < limits[d])
+            if t is None:
                 continue
-            t = min(ready, key=priority)
             waiting[d].remove(t)
+            left -= 1
             end = now + cost(t)
             finish[t] = end
             busy_until[d] = end
@@ -124,26 +133,47 @@ def simulate(graph: TaskGraph, schedule: ScheduleName | str, stages: int, virtua
             heapq.heappush(running, (end, seq, t))
             seq += 1
             started = True
+            # a reader whose dependencies have all started is ready when the last of them ends
+            # (a finish time never changes once set)
+            for r in readers.get(t, ()):
+                unmet[r] -= 1
+                if unmet[r] == 0:
+                    queues[r.chunk % p].arrive(r, max(finish[x] for x in deps[r]), rank[r])
         if started:
             continue  # zero-cost tasks finish at ``now``: let what they unblock start at ``now`` too
-        later = [e for e, _, _ in running if e > now]
-        if not later:
-            stuck = [f"stage {d}: next {fmt(min(w, key=priority))}" for d, w in waiting.items() if w]
+        if not running:  # what is still running ends after ``now`` (_release took the rest)
+            stuck = [f"stage {d}: next {fmt(min(w, key=priority))}" for d, w in enumerate(waiting) if w]
             raise CompileError("the pipeline's actors cannot all fire: " + "; ".join(stuck),
                                hint="a dependency cycle between stages; check the stage assignment")
-        now = min(later)
+        now = running[0][0]
     return Simulation(order, limits, peak, timeline)
 
 
-def _ready_at(t: Task, deps, finish: dict[Task, float], ready_at: dict[Task, float]) -> float:
-    """When ``t``'s dependencies have all finished (inf while one has not started). A finish
-    time never changes once set, so it is computed once per task, not per look at the queue."""
-    at = ready_at.get(t)
-    if at is None:
-        if not all(x in finish for x in deps[t]):
-            return math.inf
-        at = ready_at[t] = max((finish[x] for x in deps[t]), default=-math.inf)
-    return at
+class _DeviceQueue:
+    """One device's tasks whose dependencies have all started, by when they can run. Among
+    those ready at ``now`` the device fires the first by the schedule's priority (ties: the
+    earlier in ``rank``); a forward that keeps activations for its backward waits while the
+    device's regsts are all held. Heaps, not a scan of every waiting task per event: a 1T
+    pipeline has 64 stages x 64 micro-batches of tasks."""
+
+    def __init__(self, priority, has_bwd: set[int]):
+        self.priority, self.has_bwd = priority, has_bwd
+        self.later: list[tuple[float, int, Task]] = []  # (ready at, rank, task)
+        self.ready: list[tuple[tuple, int, Task]] = []  # (priority, rank, task): ready, needs no regst
+        self.ready_fwd: list[tuple[tuple, int, Task]] = []  # ready forwards that take a regst
+
+    def arrive(self, t: Task, at: float, rank: int) -> None:
+        heapq.heappush(self.later, (at, rank, t))
+
+    def pop_first(self, now: float, allow_fwd: bool) -> Task | None:
+        while self.later and self.later[0][0] <= now:
+            _, rank, t = heapq.heappop(self.later)
+            heap = self.ready_fwd if t.phase == "fwd" and t.chunk in self.has_bwd else self.ready
+            heapq.heappush(heap, (self.priority(t), rank, t))
+        best = self.ready or None
+        if allow_fwd and self.ready_fwd and (best is None or self.ready_fwd[0][:2] < best[0][:2]):
+            best = self.ready_fwd
+        return heapq.heappop(best)[2] if best is not None else None
 
 
 def _interleaved_order(deps, p: int, m: int, v: int, limits: list[int]) -> list[list[Task]]:
