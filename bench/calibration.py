@@ -10,7 +10,7 @@ count) with the layers cut to the fewest that keep the plan's structure (2 witho
 stage with pp), and simulated on the dgx-a100-80g preset with `--attention materialized`,
 `--attention-dropout 0.1` and `--layers` set to the real count: every instruction of a layer counts layers/compiled times
 (docs/cost_model.md). Nothing here is fitted: the cluster file's constants are datasheet
-peaks and general kernel efficiencies.
+peaks, general kernel efficiencies and how Ampere's GEMM kernels write their results.
 
     .venv/bin/python bench/calibration.py [--cache DIR]
 

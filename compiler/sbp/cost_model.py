@@ -109,7 +109,9 @@ class ClusterCost:
     """The cost model of a described cluster (``compiler/tools/cluster.py``) for a mesh.
 
     Kernels: the roofline of the op's work (``op_work``), ``max(flops / (peak x efficiency of
-    its class), bytes / (memory bandwidth x memory efficiency))``. Collectives: ring (or,
+    its class), bytes / (memory bandwidth x memory efficiency))``; a GEMM on a device whose
+    epilogue is serial (``Device.gemm_epilogue``) writes its result after that, at the same
+    memory bandwidth. Collectives: ring (or,
     where latency wins, double binary tree) over the link the group really uses: the intra-node
     link for a group inside a node; the NIC for one whose members sit one per node; and for a
     group with several members on each of several nodes the hierarchical algorithm: a
@@ -134,7 +136,10 @@ class ClusterCost:
         if k.klass == OpClass.MEMORY:
             return c.device.kernel_overhead + k.nbytes / bw
         share = eff.gemm if k.klass == OpClass.GEMM else eff.attention
-        return c.device.kernel_overhead + max(k.flops / (c.peak(dtype) * share), k.nbytes / bw)
+        compute = k.flops / (c.peak(dtype) * share)
+        if k.klass == OpClass.GEMM and c.device.gemm_epilogue == "serial":  # the result written after the main loop
+            return c.device.kernel_overhead + max(compute, (k.nbytes - k.written) / bw) + k.written / bw
+        return c.device.kernel_overhead + max(compute, k.nbytes / bw)
 
     # ----- links
     def _link(self, inter: bool) -> tuple[float, float]:

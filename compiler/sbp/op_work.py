@@ -2,7 +2,8 @@
 local shapes (never a table per model), and the op class whose efficiency prices it.
 
 - matmul-like ops (mm, addmm, bmm, baddbmm, linear, matmul, convolution and its backward) are
-  GEMMs: ``2 m k n`` FLOPs per product, their operands and result as traffic;
+  GEMMs: ``2 m k n`` FLOPs per product, their operands and result as traffic (the result's
+  bytes also apart: ``Kernel.written``);
 - attention (``sbpc.attention`` and its backward) is priced as the kernel that runs it:
   ``flash`` (one fused kernel, causal blocks skipped, the s x s scores never stored) or
   ``materialized`` (two batched GEMMs with the s x s scores written to memory and read back
@@ -32,8 +33,9 @@ class AttentionKernel(StrEnum):
 @dataclass(frozen=True)
 class Kernel:
     flops: float
-    nbytes: float
+    nbytes: float  # all its memory traffic, ``written`` included
     klass: OpClass
+    written: float = 0.0  # of which a GEMM's result: after its main loop where the epilogue is serial
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def op_work(op: str, ins: Sequence[Operand], outs: Sequence[Operand], *, causal:
         return []
     traffic = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
     if op in GEMMS:
-        return [Kernel(_gemm_flops(op, ins, outs), traffic, OpClass.GEMM)]
+        return [Kernel(_gemm_flops(op, ins, outs), traffic, OpClass.GEMM, sum(t.nbytes for t in outs))]
     if op in ATTENTION:
         return _attention(op == "sbpc.attention_backward", ins, outs, causal, dropout > 0, attention)
     if op == "aten.embedding.default":  # reads the rows it gathers, not the whole table
@@ -118,8 +120,11 @@ def _attention(backward: bool, ins: Sequence[Operand], outs: Sequence[Operand], 
     # 1-byte mask; its backward reads the gradient and the mask and writes the gradient.
     scores = bh * s * t * q.itemsize
     drop = [Kernel(0.0, (2 + 1 / q.itemsize) * scores, OpClass.MEMORY)] if dropout else []
+    hq, hk = bh * s * d * q.itemsize, bh * t * d * q.itemsize  # a [b, h, s|t, d] operand of the queries, the keys
+    # each GEMM's ``written``: the scores (QK^T, dP) or [b, h, s|t, d] results
     if backward:
-        return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(product, scores, OpClass.GEMM), *drop,
-                Kernel(0.0, 3 * scores, OpClass.MEMORY), Kernel(2 * product, 2 * scores + io / 2, OpClass.GEMM)]
-    return [Kernel(product, scores + io / 2, OpClass.GEMM), Kernel(0.0, 2 * scores, OpClass.MEMORY), *drop,
-            Kernel(product, scores + io / 2, OpClass.GEMM)]
+        return [Kernel(product, scores + hq + hk, OpClass.GEMM, scores), Kernel(product, scores + hq + hk, OpClass.GEMM, hk),
+                *drop, Kernel(0.0, 3 * scores, OpClass.MEMORY),
+                Kernel(2 * product, 2 * scores + 2 * (hq + hk), OpClass.GEMM, hq + hk)]
+    return [Kernel(product, scores + hq + hk, OpClass.GEMM, scores), Kernel(0.0, 2 * scores, OpClass.MEMORY), *drop,
+            Kernel(product, scores + hk + hq, OpClass.GEMM, hq)]

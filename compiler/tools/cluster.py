@@ -45,6 +45,12 @@ class Device(_Model):
     memory_bandwidth: float = Field(gt=0)  # bytes/s
     host_bandwidth: float = Field(gt=0)  # bytes/s each way between device and host memory (PCIe)
     kernel_overhead: float = Field(ge=0)  # s each kernel costs beyond its roofline (launch, ramp, tail)
+    # When a GEMM writes its result: "serial", after the main loop of each output tile, the SM's
+    # tensor cores idle meanwhile (Ampere's cuBLAS kernels: one 256x128 tile per SM, nothing to
+    # hide the epilogue under), or "overlapped", under another tile's main loop (Hopper's
+    # warp-specialized ping-pong kernels). Serial adds the result's bytes at memory bandwidth
+    # to the roofline: a larger share of a GEMM whose reduction dimension is short.
+    gemm_epilogue: Literal["serial", "overlapped"]
     peak_flops: PeakFlops
 
 
