@@ -90,9 +90,9 @@ def test_print_after_and_dump_dir(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00-capture.sbpir", "01-normalize.sbpir", "02-decompose.sbpir", "03-cse.sbpir", "04-dce.sbpir",
                      "05-offload.sbpir", "06-zero.sbpir", "07-stage-partition.sbpir", "08-sbp-propagate.sbpir",
-                     "09-clip-grad.sbpir", "10-boxing.sbpir", "11-coalesce.sbpir", "12-recompute.sbpir",
-                     "13-localize.sbpir", "14-random-draws.sbpir", "15-schedule.sbpir", "16-fuse-adamw.sbpir",
-                     "17-inplace.sbpir", "18-overlap.sbpir", "19-memory-plan.sbpir"]
+                     "09-clip-grad.sbpir", "10-boxing.sbpir", "11-fuse-log-softmax.sbpir", "12-coalesce.sbpir",
+                     "13-recompute.sbpir", "14-localize.sbpir", "15-random-draws.sbpir", "16-schedule.sbpir",
+                     "17-fuse-adamw.sbpir", "18-inplace.sbpir", "19-overlap.sbpir", "20-memory-plan.sbpir"]
     assert "stage=0" in (tmp_path / "07-stage-partition.sbpir").read_text()
 
 

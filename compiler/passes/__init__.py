@@ -11,6 +11,7 @@ from sbpc.compiler.passes.cse import CommonSubexpressionElimination
 from sbpc.compiler.passes.dce import DeadCodeElimination
 from sbpc.compiler.passes.decompose import Decompose
 from sbpc.compiler.passes.fuse_adamw import FuseAdamW
+from sbpc.compiler.passes.fuse_log_softmax import FuseLogSoftmax
 from sbpc.compiler.passes.inplace import InPlace
 from sbpc.compiler.passes.localize import Localize
 from sbpc.compiler.passes.memory_plan import MemoryPlan
@@ -25,7 +26,7 @@ from sbpc.compiler.passes.stage_partition import StagePartition
 from sbpc.compiler.passes.zero import Zero
 
 REGISTRY = {p.name: p for p in (Normalize, Decompose, CommonSubexpressionElimination, DeadCodeElimination, StagePartition,
-                                SbpPropagate, Boxing, Coalesce, Recompute, Localize, RandomDraws, Schedule, FuseAdamW, InPlace, MemoryPlan,
+                                SbpPropagate, Boxing, FuseLogSoftmax, Coalesce, Recompute, Localize, RandomDraws, Schedule, FuseAdamW, InPlace, MemoryPlan,
                                 Zero, Overlap, Offload, ClipGrad)}
 
 
@@ -48,11 +49,13 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     copy SBPs and collectives) before localize and schedule (which treat clones as any op). The
     memory plan comes last: the estimate is of the program that runs, its collectives' buffers
     held from issue to wait. ``clip_grad`` (--clip-grad): clip-grad runs on the propagated graph,
-    in the layouts the update reads, so clipping changes no other choice."""
+    in the layouts the update reads, so clipping changes no other choice. fuse-log-softmax runs on
+    the boxed graph: a log-softmax whose class dim propagation left whole goes back to the fused
+    kernel decompose had split it out of."""
     v = pipeline.virtual_stages
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
             SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
-            ClipGrad(max_norm=clip_grad), Boxing(), Coalesce(),
+            ClipGrad(max_norm=clip_grad), Boxing(), FuseLogSoftmax(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
             FuseAdamW(), InPlace(), Overlap(), MemoryPlan()]

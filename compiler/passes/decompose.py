@@ -9,7 +9,8 @@ same value with ops that have SBP rules:
 
 - ``_log_softmax(x, d)`` = ``x - amax - log(sum(exp(x - amax)))``: with the vocab dim split,
   ``amax`` is ``P(max)`` and the sum ``P`` (vocab-parallel cross-entropy: the logits are
-  never gathered);
+  never gathered); where propagation leaves the class dim whole, ``fuse-log-softmax`` puts the
+  fused kernel back;
 - ``_log_softmax_backward_data(g, y, d)`` = ``g - exp(y) * sum(g, d)``;
 - ``nll_loss_forward`` with ``reduction=mean`` = the ``sum`` reduction divided by the total
   weight, and its backward likewise: with the batch split, the sum and the weight count are
