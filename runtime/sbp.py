@@ -15,6 +15,7 @@ imports the compiler); the compiler imports it from here.
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from sbpc.errors import UsageError
@@ -26,9 +27,10 @@ class Split:
     parts: int = 1  # > 1: a strided split over that many blocks
 
     # nd-SBP tuples are dict keys in the compiler's hottest loops (a tuple hashes its items
-    # each time): the hash is computed once, not per lookup
+    # each time): the hash is computed once, not per lookup. Of ints only, so it is the same
+    # in every process and the order of a set of layouts (and a sum over it) is reproducible.
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((Split, self.dim, self.parts)))
+        object.__setattr__(self, "_hash", hash((1, self.dim, self.parts)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -54,7 +56,7 @@ class Partial:
     reduce: str = "sum"  # "sum" or "max"
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((Partial, self.reduce)))
+        object.__setattr__(self, "_hash", hash((3, zlib.crc32(self.reduce.encode()))))
 
     def __hash__(self) -> int:
         return self._hash
@@ -66,7 +68,7 @@ class Partial:
         return "P" if self.reduce == "sum" else f"P({self.reduce})"
 
 
-_B_HASH = hash(Broadcast)
+_B_HASH = hash((2,))
 Sbp = Split | Broadcast | Partial
 NdSbp = tuple[Sbp, ...]
 

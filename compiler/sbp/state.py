@@ -76,6 +76,7 @@ class SolverState:
     vrep: dict[str, str] = field(default_factory=dict)  # value -> the representative's value it stands for
     copies: set[str] = field(default_factory=set)  # values that another layer's copy stands for
     live: dict[int, list[int]] | None = None  # representative -> the members `choose` keeps up to date
+    live_values: dict[int, tuple[list, list]] = field(default_factory=dict)  # live member -> (uses, results) kept
     # the decisions
     sbp: dict[str, NdSbp] = field(default_factory=dict)  # value -> its nd-SBP
     why: dict[str, str] = field(default_factory=dict)  # input value -> where its nd-SBP came from
@@ -277,16 +278,21 @@ class SolverState:
             return
         for m in ms:
             self.choice[m] = ci
-        for m in (ms if self.live is None else self.live[idx]):
-            self._set_one(m, ci)
+        if self.live is None:
+            for m in ms:
+                self._set_one(m, ci)
+            return
+        for m in self.live[idx]:
+            self._set_one(m, ci, *self.live_values[m])
 
-    def _set_one(self, idx: int, ci: int) -> None:
+    def _set_one(self, idx: int, ci: int, at: list[Use] | None = None, outs: list[tuple[int, str]] | None = None) -> None:
+        """``at`` / ``outs``: the uses and results to keep up to date (default: all of them)."""
         self.choice[idx] = ci
         c = self.cands[idx][ci]
-        for v, pos in self.at[idx]:
+        for v, pos in self.at[idx] if at is None else at:
             for p in pos:
                 self.require(v, (idx, p), c.ins[p])
-        for j, o in enumerate(self.graph.nodes[idx].outputs):
+        for j, o in enumerate(self.graph.nodes[idx].outputs) if outs is None else outs:
             self.sbp[o] = c.outs[j]
 
     def go_live(self) -> None:
@@ -305,6 +311,11 @@ class SolverState:
         for r, ms in self.tied.items():
             self.live[r] = [m for m in ms if m == r or m in own
                             or any(v in values for v in self.uses[m]) or any(o in values for o in nodes[m].outputs)]
+            # of a member live for one value it shares (the optimizer's hyperparameter read by
+            # every layer's update), only that value's needs are kept: no cost reads the rest
+            for m in self.live[r]:
+                self.live_values[m] = ([(v, pos) for v, pos in self.at[m] if v in values],
+                                       [(j, o) for j, o in enumerate(nodes[m].outputs) if o in values])
 
 
 def gradient_tail(graph: Graph, consumers: dict[str, list[int]]) -> frozenset[str]:
