@@ -171,3 +171,43 @@ def test_copies_take_their_own_call_site_and_stage(tmp_path, stamped_layers):
     assert lines["h.2"] == lines["h.1"] + 1 and lines["h.3"] == lines["h.4"] == lines["h.1"] + 3
     chunks = {n.loc.module: n.stage for n in stamped.nodes if n.role.value == "fwd" and n.loc and n.loc.module}
     assert chunks["h.3"] == chunks["h.4"] == 1 and chunks["h.2"] is None
+
+
+_AUX_OF_THE_LAST = """
+    import torch
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x), torch.tanh(self.fc(x)).sum()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(5))
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x, aux = layer(x)
+            return ((x - y) ** 2).mean() + aux  # only the last layer's aux is differentiated
+
+    def build_model():
+        return Net()
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 16), torch.randn(batch_size, 16)
+"""
+
+
+def test_an_output_only_a_later_copy_differentiates_is_traced_whole(tmp_path, stamped_layers):
+    """Layer 1's second output gets no gradient, the last layer's does: a copy of layer 1's
+    backward would drop it, so the model is traced whole, with the gradient."""
+    path = _write(tmp_path, _AUX_OF_THE_LAST)
+    stamped = print_graph(_capture(path, {}, "1", None, "fp32", stamp=True))
+    assert not stamped_layers
+    assert stamped == print_graph(_capture(path, {}, "1", None, "fp32", stamp=False))
+    assert "aten.tanh_backward.default" in stamped

@@ -13,10 +13,11 @@ named as ``make_fx`` names them (the op's name and a counter, in program order),
 is the one a whole trace makes, node for node and name for name (tests/test_stamp.py).
 
 Stamping is only tried where it cannot change the program: the copies have the same classes,
-parameter and buffer shapes, plain attributes (so ``layer_idx``-style fields make a model trace
-whole) and no hooks of their own; the configuration hints every copy alike; a layer takes and
-returns the same kinds of values as layer 1; layer 1's ops read nothing but its inputs and
-parameters. Anything else runs that layer as it is: a whole trace, only slower.
+parameter and buffer shapes and no hooks of their own, and the plain attributes in which they
+differ (``layer_idx``) are not read by layer 1's forward; the configuration hints every copy
+alike; a layer is called with the same kinds of values as layer 1, and its outputs get
+gradients where layer 1's do; layer 1's ops read nothing but its inputs and parameters.
+Anything else runs that layer as it is, or traces the model again whole: slower, never wrong.
 """
 from __future__ import annotations
 
@@ -401,11 +402,12 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
         elif n.op == "call_function" and n.target is LAYER_BACKWARD:
             k = n.args[0]
             bound = dict(forward_env[k])
+            given = {j for j, g in enumerate(n.args[1]) if g is not None}
+            if given != set(t.incoming.values()):  # the copy's backward would drop or lack one
+                raise NotStampable(f"layer {k}'s outputs get gradients {sorted(given)}, layer 1's "
+                                   f"{sorted(t.incoming.values())}")
             for g, j in t.incoming.items():
-                got = n.args[1][j] if j < len(n.args[1]) else None
-                if got is None:
-                    raise NotStampable(f"layer {k}'s output {j} gets no gradient while layer 1's does")
-                bound[g] = env[got]
+                bound[g] = env[n.args[1][j]]
             bound.update(zip(t.inputs, inputs[k]))
             made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t, sites[k])
             for i, g in enumerate(t.outgoing):
@@ -418,8 +420,6 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
             env[n] = graph.create_node(n.op, n.target, _map(n.args, env.__getitem__), _map(n.kwargs, env.__getitem__), _base(graph, n))
             env[n].meta = n.meta
     return torch.fx.GraphModule(gm, graph)
-
-
 
 
 @dataclass
