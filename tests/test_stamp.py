@@ -1,4 +1,4 @@
-"""Capture one layer, stamp out the copies (compiler/frontend/stamp.py).
+"""Capture one layer, stamp out the copies (compiler/frontend/stamp.py, stamp_expand.py, repeated_layers.py).
 
 The proof that stamping is right: the graph of a stamped capture is the graph of a whole
 trace, node for node and name for name (so the plan is too), on every model and setting that
@@ -16,7 +16,7 @@ from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.frontend.hints import ParallelConfig, load_config
 from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
-from sbpc.compiler.frontend.stamp import find_repeated
+from sbpc.compiler.frontend.repeated_layers import find_repeated
 from sbpc.compiler.driver import precision_spec
 from sbpc.compiler.ir.mesh import parse_mesh
 from sbpc.compiler.ir.printer import print_graph

@@ -27,7 +27,9 @@ from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
 from sbpc.compiler.frontend.init_record import InitRecorder
-from sbpc.compiler.frontend.stamp import NotStampable, Repeated, Stamper, expand, find_repeated
+from sbpc.compiler.frontend.repeated_layers import Repeated, find_repeated
+from sbpc.compiler.frontend.stamp import NotStampable, Stamper
+from sbpc.compiler.frontend.stamp_expand import expand
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
 from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.mesh import Mesh
