@@ -9,7 +9,9 @@ Each row is compiled by sbpc for its real mesh (dp x tp x pp ranks, its batch an
 count) with the layers cut to the fewest that keep the plan's structure (2 without pp, one a
 stage with pp), and simulated on the dgx-a100-80g preset with `--attention materialized`,
 `--attention-dropout 0.1` and `--layers` set to the real count: every instruction of a layer counts layers/compiled times
-(docs/cost_model.md). Nothing here is fitted: the cluster file's constants are datasheet
+(docs/cost_model.md). The rows compile with `examples/gpt.megatron.toml` and ``MEGATRON_LAYOUT``
+(Megatron's activation layout on tp), so that the plan simulated is Megatron's, as far as a
+config can say. Nothing here is fitted: the cluster file's constants are datasheet
 peaks, general kernel efficiencies and how Ampere's GEMM kernels write their results.
 
     .venv/bin/python bench/calibration.py [--cache DIR]
@@ -29,6 +31,15 @@ VOCAB, SEQ = 51200, 2048
 # dropout (torch's CPU attention with dropout decomposes into an fp32 math path unlike the
 # fused kernel on a GPU), and its attention ops are priced as carrying it.
 ATTENTION_DROPOUT = 0.1
+# Megatron-LM's activation layout on tp (module output globs -> SBP), which the weight hints of
+# gpt.megatron.toml alone do not fix: at these sizes sbp-propagate prefers, for some layers, to
+# split the micro-batch over tp and all-gather the weights (FSDP inside the tp group), a plan
+# the published numbers are not of. The blocks' outputs stay replicated on tp, and the column-
+# parallel layers split their output features. (The attention core's output, which feeds the
+# row-parallel c_proj, is no module's: there the plan still gathers c_proj's input and weight
+# rather than all-reduce its partial output.)
+MEGATRON_LAYOUT = (("h.*", "tp=B"), ("h.*.attn", "tp=B"), ("h.*.mlp", "tp=B"),
+                   ("h.*.attn.c_attn", "tp=S(2:3)"), ("h.*.mlp.c_fc", "tp=S(2)"))
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ ROWS = (
 def plan_for(row: Row, cache: Path):
     """The row's compiled plan (``compiler/tools/depth.py``), from ``cache`` when an identical
     compile wrote it before."""
-    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.frontend.hints import Hint, load_config
     from sbpc.compiler.memory_options import MemoryOptions
     from sbpc.compiler.passes import PipelineOptions
     from sbpc.compiler.tools.depth import compile_layers
@@ -84,15 +95,17 @@ def plan_for(row: Row, cache: Path):
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / (f"{row.params}-{row.dp}x{row.tp}x{row.pp}-l{row.compiled_layers}-m{row.microbatches}.json")
     stamp = path.with_suffix(".args")
-    key = f"{row!r} layers={row.compiled_layers}"
+    key = f"{row!r} layers={row.compiled_layers} layout={MEGATRON_LAYOUT}"
     if not (path.exists() and stamp.exists() and stamp.read_text() == key):
         cwd = os.getcwd()
         os.chdir(ROOT)  # the plan records the model path relative to the repository
+        config = load_config("examples/gpt.megatron.toml")
+        config.modules += [(glob, Hint.parse(spec, f"calibration.py MEGATRON_LAYOUT {glob}")) for glob, spec in MEGATRON_LAYOUT]
         try:
             plan = compile_layers("examples/gpt.py", row.sets(), row.compiled_layers, f"{row.dp}x{row.tp}x{row.pp}",
                                   batch_size=row.batch, pipeline=PipelineOptions(microbatches=row.microbatches),
                                   memory=MemoryOptions(recompute=Recompute.FULL, precision=Precision.FP16),
-                                  config=load_config("examples/gpt.megatron.toml"))
+                                  config=config)
         finally:
             os.chdir(cwd)
         save_plan(plan, str(path))

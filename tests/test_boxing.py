@@ -51,6 +51,21 @@ def test_independent_axes_convert_in_one_step_each():
     assert [(s.axis, s.kind) for s in steps] == [(0, "reduce_scatter"), (1, "all_gather")]
 
 
+def test_independent_axes_shrink_inside_out_and_grow_outside_in():
+    """A gradient reduce-scattered over dp and tp crosses the outer (slow) axis at 1/tp of its
+    size; a gather over both moves the small shard on the outer axis, the big one on the inner."""
+    t = TensorType((8, 16), "f32")
+    order = lambda src, dst, seq=frozenset(): [(s.axis, s.kind) for s in plan_boxing(src, dst, t, (2, 2), seq)]
+    assert order((Partial(), Partial()), (Split(1), Split(0))) == [(1, "reduce_scatter"), (0, "reduce_scatter")]
+    assert order((Split(1), Split(0)), (Broadcast(), Broadcast())) == [(0, "all_gather"), (1, "all_gather")]
+    assert order((Partial(), Partial()), (Broadcast(), Split(0))) == [(1, "reduce_scatter"), (0, "all_reduce")]
+    # the micro-batch axis accumulates first: the other reductions then run once a step
+    assert order((Partial(), Partial()), (Broadcast(), Split(0)), frozenset({0})) == [(0, "all_reduce"),
+                                                                                    (1, "reduce_scatter")]
+    # sums and maxima do not commute: mesh order
+    assert order((Partial("max"), Partial()), (Broadcast(), Split(0))) == [(0, "all_reduce"), (1, "reduce_scatter")]
+
+
 def test_nested_splits_of_one_dim_gather_inside_out():
     t = TensorType((8, 16), "f32")
     steps = plan_boxing((Split(0), Split(0)), (Broadcast(), Split(0)), t, (2, 2))

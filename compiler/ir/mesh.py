@@ -70,6 +70,12 @@ class Mesh:
         """Axes that carry an SBP entry: every axis but pp (pp is placement)."""
         return tuple(n for n, _ in self.axes if n != "pp")
 
+    @property
+    def sequential_axes(self) -> frozenset[int]:
+        """The indices in ``sbp_axes`` of the axes whose parts run one after another (the
+        micro-batches), not side by side on devices."""
+        return frozenset(a for a, name in enumerate(self.sbp_axes) if name == MICROBATCH)
+
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside a mesh of {self.world_size} devices",

@@ -54,6 +54,7 @@ class _Inserter:
         self.g = graph
         self.axes = graph.mesh.sbp_axes
         self.sizes = tuple(graph.mesh.size(a) for a in self.axes)
+        self.sequential = graph.mesh.sequential_axes
         self.sbp: dict[str, NdSbp] = {i.value: i.sbp for i in graph.inputs}
         self.mem: dict[str, MemoryKind] = {i.value: i.memory for i in graph.inputs}
         self.types = graph.value_types()
@@ -124,7 +125,7 @@ class _Inserter:
             return self.boxed[key]
         why = f"boxing {format_nd_sbp(have)} -> {format_nd_sbp(need)} of %{value} for {consumer.op}" \
             if have is not None else f"%{value} for {consumer.op}"
-        steps = plan_boxing(have, need, self.types[value], self.sizes) if have != need else []
+        steps = plan_boxing(have, need, self.types[value], self.sizes, self.sequential) if have != need else []
         through_device = mem == HOST and any(s.kind.moves_data for s in steps)  # collectives run on the device
         cur = (value, have)
         if mem == HOST and (memory == DEVICE or through_device):

@@ -34,12 +34,15 @@ class Step:
         return self.kind.op
 
 
-def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -> list[Step]:
+def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...],
+                sequential: frozenset[int] = frozenset()) -> list[Step]:
+    """``sequential``: the micro-batch axis, whose steps (accumulating over micro-batches) come
+    first, so that the other axes' run once a step, not once a micro-batch."""
     if src == dst:
         return []
     if _independent(src, dst):
         steps, cur = [], src
-        for a in range(len(src)):
+        for a in _axis_order(src, dst, sequential):
             for kind, kw, to in _one_axis(src[a], dst[a]):
                 cur = _set(cur, a, to)
                 steps.append(Step(a, kind, kw, cur))
@@ -58,6 +61,27 @@ def plan_boxing(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...]) -
     return steps
 
 
+def _axis_order(src: NdSbp, dst: NdSbp, sequential: frozenset[int]) -> list[int]:
+    """The order in which independent axes convert: any order gives the same tensor, but not
+    the same bytes. The axes that shrink the local tensor (reduce-scatter, slice) go first,
+    innermost first, so that the outer axis (dp, across nodes) moves the smallest tensor; the
+    axes that grow it (gathers) go last, outermost first, for the same reason; the rest
+    (all-reduce, all-to-all) in between, on the shrunk tensor. A gradient reduce-scattered over
+    dp and tp thus crosses the nodes at 1/tp of its size. Partials of different reductions
+    (sum and max) do not commute: they keep the mesh order. The ``sequential`` axes come first."""
+    if len({s.reduce for s in src if isinstance(s, Partial)}) > 1:
+        return list(range(len(src)))
+
+    def phase(a: int) -> int:
+        kinds = {k for k, _, _ in _one_axis(src[a], dst[a])}
+        if Collective.ALL_GATHER in kinds:
+            return 2
+        return 0 if kinds & {Collective.REDUCE_SCATTER, Collective.SHARD_SLICE} else 1
+
+    axes = range(len(src))
+    return sorted(axes, key=lambda a: (a not in sequential, phase(a), -a if phase(a) == 0 else a))
+
+
 # On a sequential axis (micro-batches) only a reduction (accumulation across the step's
 # micro-batches) or a local slice / mask can run: anything that needs several micro-batches
 # at once inside a micro-batch would stall the pipeline.
@@ -71,7 +95,7 @@ def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], m
     ``bucketed``: the axes on which ``t``'s reductions join a gradient bucket that is made
     anyway (``model.bucketed``); on the others each is a call of its own."""
     try:
-        steps = plan_boxing(src, dst, t, sizes)
+        steps = plan_boxing(src, dst, t, sizes, sequential)
     except CompileError:
         return float("inf")
     cost, cur = 0.0, src

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import shares_storage
-from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, Role, TensorType
 from sbpc.compiler.sbp.boxing_plan import boxing_cost
 from sbpc.compiler.sbp.cost_model import CostModel
@@ -105,7 +104,7 @@ class SolverState:
 
     def __post_init__(self):
         self.axes = self.graph.mesh.sbp_axes
-        self.sequential = frozenset(a for a, name in enumerate(self.axes) if name == MICROBATCH)
+        self.sequential = self.graph.mesh.sequential_axes
         self.types = self.layouts.types
         self.uses, self.producer, self.consumers, self.at = (self.index.uses, self.index.producer,
                                                              self.index.consumers, self.index.at)
