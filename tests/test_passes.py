@@ -1,6 +1,7 @@
 """Pass manager, verifier and memory-plan tests (the IR-changing passes have golden files)."""
 import io
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -80,6 +81,27 @@ def test_verifier_names_the_pass_that_broke_the_ir():
 
     with pytest.raises(IRError, match=r"uses %y before it is defined after pass 'breaker'"):
         PassManager([Breaker()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+
+
+def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):
+    import sbpc.compiler.pass_manager as pm
+
+    class Idle:
+        name = "idle"
+
+        def apply(self, g, ctx):
+            return g
+
+    class Renamer:  # a new graph with the same nodes: verified
+        name = "renamer"
+
+        def apply(self, g, ctx):
+            return replace(g, name="renamed")
+
+    checked = []
+    monkeypatch.setattr(pm, "verify", lambda g, after="": checked.append(after))
+    PassManager([Idle(), Renamer(), Idle()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+    assert checked == ["capture", "renamer"]
 
 
 def test_print_after_and_dump_dir(tmp_path):
