@@ -348,13 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(c)
     c.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     c.add_argument("--trace", metavar="FILE", help="write the pipeline's simulated timeline (unit cost; Chrome/Perfetto JSON)")
-    c.set_defaults(fn=cmd_compile)
+    c.set_defaults(fn=cmd_compile, quick_exit=True)
     mm = sub.add_parser("memory", help="estimate the memory of every rank role (pp stage) before launch")
     add_model_arguments(mm)
     mm.add_argument("--json", action="store_true", help="print a JSON list: role, params, grads, optimizer, activations, "
                                                        "buffers, temporaries, total (bytes per device) and fits")
     mm.add_argument("-o", "--output", help="also write the plan")
-    mm.set_defaults(fn=cmd_memory)
+    mm.set_defaults(fn=cmd_memory, quick_exit=True)
     i = sub.add_parser("inspect", help="print a plan as text IR")
     i.add_argument("plan")
     i.add_argument("--init", action="store_true", help="also print the init region (weight construction)")
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--collectives", action="store_true", help="list the plan's collectives (phase, axis, bytes, op) instead")
     i.add_argument("--schedule", action="store_true", help="print the pipeline schedule (per-stage firing order, regsts, "
                                                          "bubble) instead")
-    i.set_defaults(fn=cmd_inspect)
+    i.set_defaults(fn=cmd_inspect, quick_exit=True)
     d = sub.add_parser("diff", help="compare two plans by meaning: SBP changes, collectives, bytes, memory, step time")
     d.add_argument("a", help="the plan compared from")
     d.add_argument("b", help="the plan compared to")
@@ -371,13 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--all", action="store_true", help="list every changed name, not the first few of each change")
     d.add_argument("--cluster", metavar="NAME|FILE", help="predict the step times with `sbpc simulate` on this cluster "
                                                          "(default: the compiler's cost model)")
-    d.set_defaults(fn=cmd_diff)
+    d.set_defaults(fn=cmd_diff, quick_exit=True)
     h = sub.add_parser("report", help="write a standalone HTML report of a plan: rank map, stages, timeline, memory, "
                                       "communication")
     h.add_argument("plan")
     h.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     h.add_argument("--cluster", metavar="NAME|FILE", help="add `sbpc simulate`'s prediction on this cluster")
-    h.set_defaults(fn=cmd_report)
+    h.set_defaults(fn=cmd_report, quick_exit=True)
     r = sub.add_parser("run", help="train a plan on --data, or on synthetic batches")
     add_run_arguments(r)
     r.set_defaults(fn=run_command)
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="say why a value or parameter of a plan has its SBP")
     e.add_argument("plan")
     e.add_argument("tensor", help="a parameter name (h.0.attn.c_attn.weight) or a value (%%addmm)")
-    e.set_defaults(fn=cmd_explain)
+    e.set_defaults(fn=cmd_explain, quick_exit=True)
     sm = sub.add_parser("simulate", help="predict a plan's step on a cluster: time, throughput, MFU, bubble, comm")
     sm.add_argument("plan")
     sm.add_argument("--cluster", required=True, metavar="NAME|FILE",
@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "dropout kernel over the scores; default: the plan's own)")
     sm.add_argument("--layers", type=int, metavar="N",
                     help="the plan's repeated layer (h.0, h.1, ...) stands for N identical layers (docs/cost_model.md)")
-    sm.set_defaults(fn=cmd_simulate)
+    sm.set_defaults(fn=cmd_simulate, quick_exit=True)
     se = sub.add_parser("search", help="find the fastest strategy (mesh, micro-batches, schedule, ZeRO, recompute) for a "
                                        "model on N devices of a cluster")
     se.add_argument("model", help="model file; it must define config(**kw) with layers, hidden, heads, vocab, seq "
@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("-o", "--output", help="write the winner's plan (the one simulated; docs/search.md)")
     se.add_argument("--config-out", metavar="FILE", help="write the winner as a parallel config for `sbpc compile "
                                                          "--config`")
-    se.set_defaults(fn=cmd_search)
+    se.set_defaults(fn=cmd_search, quick_exit=True)
     x = sub.add_parser("export", help="write a checkpoint's consolidated logical weights to one .safetensors file")
     x.add_argument("checkpoint", help="a --save directory (its newest complete checkpoint) or one step_* directory")
     x.add_argument("-o", "--output", default="model.safetensors", help="file to write (default model.safetensors)")
@@ -485,10 +485,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(argv: list[str] | None) -> tuple[argparse.Namespace, int]:
     args = build_parser().parse_args(argv)
-    return leave(guarded_main(lambda: args.fn(args), args.debug))
+    return args, leave(guarded_main(lambda: args.fn(args), args.debug))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _run(argv)[1]
+
+
+def console_main() -> None:
+    """The ``sbpc`` console script. A command that only computes and writes files (compile,
+    simulate, search, ...) ends with ``os._exit`` once its output is flushed: tearing down an
+    interpreter that imported torch and built a large graph takes 0.5-1.5 s, a twentieth of a
+    1T compile's wall time, and frees nothing anyone needs. Commands that start ranks or
+    threads (run, train, check, launch) exit normally; ``main`` (what tests call) always does."""
+    args, code = _run(None)
+    if getattr(args, "quick_exit", False):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`| head`): nothing more to say
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -132,3 +132,18 @@ def test_multi_device_compile_inspect_explain(tmp_path):
     bad = sbpc("explain", str(plan), "nope")
     assert bad.returncode == 2 and re.search(r"no value or parameter named 'nope' in the plan; hint: name a parameter",
                                              bad.stderr), bad.stderr
+
+
+def test_quick_exit_flushes_everything(tmp_path, capsys):
+    """compile and inspect end with os._exit (cli.console_main): the whole output is out first,
+    and the exit code is the command's."""
+    from sbpc.cli import main
+
+    plan = tmp_path / "p.json"
+    out = sbpc("compile", "examples/gpt.py", "--mesh", "2x2", "-o", str(plan))
+    assert out.returncode == 0 and "compiled examples/gpt.py for mesh 2x2" in out.stdout
+    text = sbpc("inspect", str(plan)).stdout
+    assert main(["inspect", str(plan)]) == 0
+    assert text == capsys.readouterr().out and len(text) > 10_000
+    bad = sbpc("inspect", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and bad.stderr.startswith("sbpc: ")
