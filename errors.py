@@ -45,6 +45,12 @@ class IRError(SbpcError):
     """The IR failed verification or could not be parsed."""
 
 
+class PassBug(Exception):
+    """A pass produced IR that fails verification: a bug in sbpc, whatever the input, so not an
+    ``SbpcError`` (the CLI reports it as an internal error, exit 3). The verifier's ``IRError``
+    is its cause."""
+
+
 class CompileError(SbpcError):
     """A pass could not produce a valid plan."""
 

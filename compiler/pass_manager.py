@@ -19,7 +19,7 @@ from typing import ClassVar, Iterable, Protocol, TextIO
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.ir.verify import verify
-from sbpc.errors import CompileError, OutputError, UsageError
+from sbpc.errors import CompileError, IRError, OutputError, PassBug, UsageError
 from sbpc.runtime.files import write_atomic
 
 
@@ -101,7 +101,13 @@ class PassManager:
     def _after(self, name: str, graph: Graph, index: int, verified: bool = False) -> None:
         if self.ctx.verify and not verified:
             t0 = time.perf_counter()
-            verify(graph, after=name)
+            try:
+                verify(graph, after=name)
+            except IRError as err:
+                if index == 0:  # the input: a capture's graph, or the IR a user gave `sbpc opt`
+                    raise
+                raise PassBug(f"pass {name!r} broke the IR: {err.message}" +
+                              (f" (at {err.location})" if err.location else "")) from err
             self._count("verify", t0)
         wants_print = self.ctx.print_after_all or name in self.ctx.print_after
         if not (wants_print or self.ctx.dump_dir):
