@@ -43,17 +43,10 @@ def refine_values(st: SolverState, flood: bool = False) -> bool:
     its backward slicing rows and all-to-all-ing the heads back) is undone only together with
     the chain of views that then carries the heads' split to the attention's backward."""
     changed = False
-    for v, idxs in st.consumers.items():
-        if len(idxs) < 2:
-            continue
-        if st.tied:  # through the representatives, when they all take this very value
-            idxs = list(dict.fromkeys(st.cls.rep[i] for i in idxs))
-            if len(idxs) < 2 or any(v not in st.uses[i] for i in idxs):
-                continue
-        targets = {st.cands[i][ci].ins[p] for i in idxs for ci in st.options(i) for p, u in enumerate(st.uses[i]) if u == v}
+    for v, idxs, at in st.shared_reads():
+        targets = {st.cands[i][ci].ins[p] for i, pos in at for ci in st.options(i) for p in pos}
         for t in sorted(targets, key=repr):
-            if all(st.cands[i][st.choice[i]].ins[p] == t for i in idxs
-                   for p, u in enumerate(st.uses[i]) if u == v):
+            if all(st.cands[i][st.choice[i]].ins[p] == t for i, pos in at for p in pos):
                 continue
             changed |= _try_joint(st, v, t, idxs, flood)
     return changed

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
-from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp.axis_use import MAX_PROBE
@@ -48,6 +47,8 @@ class Solver:
                 st.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
                 if same and i.value in hinted:  # ZeRO: split on dp (compiler/passes/zero.py)
                     st.sbp[i.value], st.why[i.value] = self._state_sbp(i, param, hinted[i.value])
+        for i in g.inputs:
+            st.sbp[i.value] = st.layouts.intern(st.sbp[i.value])
         for o in g.outputs_of(OutputKind.UPDATE):
             src = by_name[o.name].value
             st.require(o.value, ("update", o.name), st.sbp[src])
@@ -159,10 +160,10 @@ class Solver:
         st = self.state
         if not st.tied:
             return
-        rep, nodes, uses = st.cls.rep, st.graph.nodes, st.uses
+        rep, nodes, uses, reads = st.cls.rep, st.graph.nodes, st.uses, st.index.reads
         seen: dict[str, tuple] = {}
 
-        hyper = hyper_only(st.graph)
+        hyper = st.index.hyper
 
         def vctx(v: str):
             if v not in seen:
@@ -174,7 +175,7 @@ class Solver:
                     seen[v] = ("hyper", rep[p], nodes[p].outputs.index(v))
                     return seen[v]
                 src = ("node", rep[p], nodes[p].outputs.index(v)) if p is not None else ("input", st.sbp.get(v))
-                seen[v] = src, tuple(sorted({(rep[c], q) for c in st.consumers.get(v, ()) for q, u in enumerate(uses[c]) if u == v}))
+                seen[v] = src, tuple(sorted({(rep[c], q) for c, q in reads.get(v, ())}))
             return seen[v]
 
         def ctx(i: int):
@@ -255,7 +256,7 @@ class Solver:
         if not st.layouts.exact(idx, ins, outs):
             return None
         notes = tuple(next((w.notes[a] for b, w in want if b == a), "all B") for a in range(width))
-        st.cands[idx].append(NdSignature(ins, outs, notes))
+        st.cands[idx].append(NdSignature(tuple(map(st.layouts.intern, ins)), tuple(map(st.layouts.intern, outs)), notes))
         return len(st.cands[idx]) - 1
 
     def greedy(self) -> None:
@@ -327,8 +328,9 @@ class Solver:
             if not st.layouts.exact(idx, c.ins, c.outs):  # a bug in a move: never emit a wrong plan
                 raise RuntimeError(f"the SBP search chose an inexact signature for {n.op} -> %{n.outputs[0]}: "
                                    f"{list(c.ins)} -> {list(c.outs)}")
-            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[st.cls.rep[idx]]))
-        inputs = [replace(i, sbp=st.sbp[i.value], why=st.why[i.value]) for i in st.graph.inputs]
+            nodes.append(replace(n, sbp=[tuple(o) for o in c.outs], sbp_in=[tuple(i) for i in c.ins],
+                                 why=whys[st.cls.rep[idx]]))
+        inputs = [replace(i, sbp=tuple(st.sbp[i.value]), why=st.why[i.value]) for i in st.graph.inputs]
         return replace(st.graph, inputs=inputs, nodes=nodes, regather=st.regathered())
 
 
