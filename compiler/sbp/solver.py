@@ -161,6 +161,16 @@ class Solver:
         if not st.tied:
             return
         rep, nodes, uses, reads = st.cls.rep, st.graph.nodes, st.uses, st.index.reads
+        # what the weights depend on besides the graph: the classes, and the layouts of the
+        # inputs their ops read. Solvers of one graph (one per mesh axis, the joint one) mostly
+        # agree on both: the weights are then found once
+        tied = {m for ms in st.tied.values() for m in ms}
+        key = (tuple(rep), tuple((i.value, st.sbp[i.value]) for i in st.graph.inputs
+                                 if any(c in tied for c in st.consumers.get(i.value, ()))))
+        found = st.index.weighs.get(key)
+        if found is not None:
+            st.weight, st.vweight, st.vrep, st.copies = found
+            return
         seen: dict[str, tuple] = {}
 
         hyper = st.index.hyper
@@ -200,6 +210,7 @@ class Solver:
         # the values a search looks at: all but those a representative's stands for
         odd_values = {v for _, extra in st.vweight.values() for v in extra}
         st.copies = {v for v, r in st.vrep.items() if v != r and v not in odd_values}
+        st.index.weighs[key] = st.weight, st.vweight, st.vrep, st.copies  # never changed after
 
     # ----- search
     def combine(self, busy: list[int], alone: list[Solver]) -> bool:

@@ -56,6 +56,8 @@ class GraphIndex:
     reads: dict[str, list[tuple[int, int]]]  # value -> (op, position) of each use of it, in program order
     hyper: list[bool]  # per op: computed from hyperparameters alone (aten.hyper_only)
     bucketed: frozenset[str]  # the values that serve one gradient (gradient_tail)
+    # the layer-class weights solvers found (Solver._weigh), by what they depend on
+    weighs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, graph: Graph) -> GraphIndex:
@@ -194,7 +196,11 @@ class SolverState:
         """Converting ``v`` from ``src`` into each distinct layout of ``reqs``, and holding what
         the backward reads of it (``back``: the layouts backward ops need; ``forward``: those the
         other ops need, by default as the counts stand)."""
-        cost = sum(self._convert(v, src, t) for t in set(reqs) if t != src)
+        cost, prices = 0, self._prices  # as sum() adds: from 0, in the set's order
+        for t in set(reqs):
+            if t is not src and t != src:
+                found = prices.get((v, id(src), id(t)))
+                cost += found[2] if found is not None and found[0] is src and found[1] is t else self._convert(v, src, t)
         if back and v in self.held:
             cost += min(self.holding(v, src, set(back), self._forward(v) if forward is None else forward))
         return cost
@@ -252,20 +258,21 @@ class SolverState:
 
     def _local_cost(self, idx: int, c: NdSignature) -> float:
         cost = self.compute(idx, c)
-        n = self.graph.nodes[idx]
+        reqc, req, sbp, held, value_cost, ins = self.reqc, self.req, self.sbp, self.held, self.value_cost, c.ins
         for v, pos in self.at[idx]:
             # what the other consumers need, and what c needs
-            counts, reqs = self.reqc.get(v, {}), self.req.get(v, {})
+            counts, reqs = reqc.get(v, _NONE), req.get(v, _NONE)
             mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
             need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
-            need.update(c.ins[p] for p in pos)
-            if v in self.held:  # the same split by phase: which layouts the backward needs
-                back, forward = self._phases(v, idx, mine, [c.ins[p] for p in pos])
-                cost += self.value_cost(v, self.sbp[v], need, back, forward)
+            need.update(ins[p] for p in pos)
+            if v in held:  # the same split by phase: which layouts the backward needs
+                back, forward = self._phases(v, idx, mine, [ins[p] for p in pos])
+                cost += value_cost(v, sbp[v], need, back, forward)
             else:
-                cost += self.value_cost(v, self.sbp[v], need)
-        for j, o in enumerate(n.outputs):
-            cost += self.value_cost(o, c.outs[j], self.needs(o), self.back_needs(o))
+                cost += value_cost(v, sbp[v], need)
+        reqb, outs = self.reqb, c.outs
+        for j, o in enumerate(self.graph.nodes[idx].outputs):
+            cost += value_cost(o, outs[j], reqc.get(o, _NONE).keys(), reqb.get(o, _NONE).keys())
         return cost
 
     def _phases(self, v: str, idx: int, mine: list[NdSbp], wanted: list[NdSbp]) -> tuple[set, set]:
