@@ -67,7 +67,13 @@ class Layouts:
             if key not in self._memo:
                 self._memo[key] = self._all_signatures(k, rep)
             self.per_size[k] = self._memo[key]
-        self.parts = self._strides()
+        # an axis of size one splits nothing, so it adds nothing to the stride analysis: the
+        # solvers of one graph whose other sizes agree share it
+        key = ("strides", tuple(k for k in sorted(self.per_size) if k > 1))
+        if key not in self._memo:
+            self._memo[key] = self._strides()
+        self._split_at, self._counts = self._memo[key]
+        self._node_counts: dict[int, tuple] = {}  # _block_counts, once asked
         # the micro-batch axis: an optimizer op runs once a step, so there it sees every value
         # whole (a gradient accumulated over the micro-batches), never one micro-batch's part
         self.sequential = frozenset(a for a, name in enumerate(graph.mesh.sbp_axes) if name == MICROBATCH)
@@ -96,22 +102,23 @@ class Layouts:
             return [Signature((s,), (s,), "hint") for s in choices]
         return self.rules.signatures(n, in_types, k)
 
-    def _strides(self) -> dict[tuple[str, int], int]:
+    def _strides(self) -> tuple[list[tuple], dict[tuple[str, int], tuple[int, ...]]]:
+        """Per node, the (position, dim) pairs some of its signatures split; and the block counts
+        of every (value, dim) of more than one block, or offered more: the fixed one first."""
         uf: dict = {}  # (value, dim) -> its parent in the union-find of layout classes (_find)
         demands, options = [], []
-        ks = sorted(self.per_size)
         patterns = self._memo.setdefault("patterns", {})
-        self._split_at: list[tuple] = []  # per node: the (position, dim) pairs some signature splits
-        for i, n in enumerate(self.graph.nodes):
-            lists = tuple(self.per_size[k][i] for k in ks)
+        split_ats: list[tuple] = []
+        for n, *lists in zip(self.graph.nodes, *(self.per_size[k] for k in sorted(self.per_size))):
             key = tuple(map(id, lists))
-            if key not in patterns:
-                patterns[key] = (_pattern(lists), lists)  # the lists stay alive: ids stay unique
-            unions, wants, split_at = patterns[key][0]
-            self._split_at.append(split_at)
+            found = patterns.get(key)
+            if found is None:
+                found = patterns[key] = (_pattern(lists), lists)  # the lists stay alive: ids stay unique
+            unions, wants, split_at = found[0]
+            split_ats.append(split_at)
             if not unions and not wants:
                 continue
-            names = list(n.uses()) + list(n.outputs)
+            names = n.uses() + tuple(n.outputs)
             for p, d, q, e in unions:
                 a, b = _find(uf, (names[p], d)), _find(uf, (names[q], e))
                 if a != b:
@@ -129,16 +136,17 @@ class Layouts:
         offered: dict = {}
         for at, c in options:
             offered.setdefault(_find(uf, at), set()).add(c)
-        # every (value, dim) of more than one block, or offered more: its counts, the fixed one first
-        self._counts = {}
-        self._node_counts: dict[int, tuple] = {}  # _block_counts, once asked
+        counts, of_class = {}, {}
         for x in list(uf):
             r = _find(uf, x)
-            first = parts.get(r, 1)
-            more = tuple(sorted(offered.get(r, set()) - {first}))
-            if first != 1 or more:
-                self._counts[x] = (first, *more)
-        return parts
+            found = of_class.get(r)
+            if found is None:
+                first = parts.get(r, 1)
+                more = tuple(sorted(offered.get(r, set()) - {first}))
+                found = of_class[r] = (first, *more) if first != 1 or more else ()
+            if found:
+                counts[x] = found
+        return split_ats, counts
 
     def intern(self, nd: NdSbp) -> Layout:
         """The one ``Layout`` of ``nd`` (made of the one copy of each of its SBPs): equal

@@ -22,6 +22,8 @@ def refine_ops(st: SolverState) -> bool:
         cur = st.local_cost(idx, st.cands[idx][st.choice[idx]])
         best, best_key = st.choice[idx], (round(cur, 15), partials(st.cands[idx][st.choice[idx]]), st.choice[idx])
         for ci in opts:
+            if ci == st.choice[idx]:
+                continue  # its key is the one to beat
             c = st.cands[idx][ci]
             key = (round(st.local_cost(idx, c), 15), partials(c), ci)
             if key < best_key:
@@ -134,9 +136,7 @@ def _try_hoist(st: SolverState, v: str, budget: int) -> bool:
 def _hot_nodes(st: SolverState) -> list[int]:
     """Ops next to a conversion that costs more than a local copy: where moves can pay."""
     hot = set()
-    for v, reqs in st.req.items():
-        if v in st.copies:
-            continue
+    for v, reqs in st.searched_needs():
         src = st.sbp.get(v)
         for t in set(reqs.values()):
             if t != src and st.box(src, t, st.types[v]) > st.model.collective(Collective.KEEP_FIRST, st.types[v].nbytes, 2):

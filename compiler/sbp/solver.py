@@ -333,14 +333,20 @@ class Solver:
             if idx in st.tied:
                 whys[idx] += f", for its layer class of {len(st.tied[idx])} ops (as decided in " \
                              f"{n.loc.module if n.loc else 'this layer'})"
-        nodes = []
+        nodes, exact = [], {}
         for idx, n in enumerate(st.graph.nodes):
-            c = st.chosen(idx)
-            if not st.layouts.exact(idx, c.ins, c.outs):  # a bug in a move: never emit a wrong plan
+            c, r = st.chosen(idx), st.cls.rep[idx]
+            # the members of a class have one op, the same types and this very candidate:
+            # checked once for them all
+            key = r if c is st.chosen(r) else idx
+            ok = exact.get(key)
+            if ok is None:
+                ok = exact[key] = st.layouts.exact(idx, c.ins, c.outs)
+            if not ok:  # a bug in a move: never emit a wrong plan
                 raise RuntimeError(f"the SBP search chose an inexact signature for {n.op} -> %{n.outputs[0]}: "
                                    f"{list(c.ins)} -> {list(c.outs)}")
             nodes.append(replace(n, sbp=[tuple(o) for o in c.outs], sbp_in=[tuple(i) for i in c.ins],
-                                 why=whys[st.cls.rep[idx]]))
+                                 why=whys[r]))
         inputs = [replace(i, sbp=tuple(st.sbp[i.value]), why=st.why[i.value]) for i in st.graph.inputs]
         return replace(st.graph, inputs=inputs, nodes=nodes, regather=st.regathered())
 

@@ -64,12 +64,15 @@ class GraphIndex:
         uses = [list(n.uses()) for n in graph.nodes]
         at: list[list[Use]] = []
         reads: dict[str, list[tuple[int, int]]] = {}
+        consumers: dict[str, list[int]] = {}  # Graph.users, found on the way
         for i, us in enumerate(uses):
             pos: dict[str, list[int]] = {}
             for p, u in enumerate(us):
                 pos.setdefault(u, []).append(p)
                 reads.setdefault(u, []).append((i, p))
             at.append([(v, tuple(ps)) for v, ps in pos.items()])
+            for v in pos:
+                consumers.setdefault(v, []).append(i)
         backward = frozenset(i for i, n in enumerate(graph.nodes) if n.role == Role.BACKWARD)
         read_back = {u for i in backward for u in uses[i]}
         root: dict[str, str] = {}
@@ -78,7 +81,6 @@ class GraphIndex:
                 root[o] = root.get(uses[i][0], uses[i][0]) if shares_storage(n.op) and uses[i] else o
         saved = {o: root[o] == o or root[o] not in read_back for n in graph.nodes if n.role == Role.FORWARD
                  for o in n.outputs if o in read_back}
-        consumers = graph.users()
         return cls(uses, graph.producers(), consumers, at, backward, saved, reads, hyper_only(graph),
                    gradient_tail(graph, consumers))
 
@@ -123,6 +125,7 @@ class SolverState:
     _compute: dict = field(init=False, default_factory=dict)  # (op, id(candidate)) -> (candidate, its compute price)
     _prices: dict = field(init=False, default_factory=dict)  # (value, id(src), id(dst)) -> (src, dst, box price)
     _shared_reads: list | None = field(init=False, default=None)  # shared_reads(), once found
+    _searched: tuple | None = field(init=False, default=None)  # (len(req), searched_needs()) once found
     _options: dict = field(init=False, default_factory=dict)  # (op, its choice, focus) -> options()
     bucketed: frozenset[str] = field(init=False)  # the values that serve one gradient (gradient_tail)
     # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
@@ -142,7 +145,9 @@ class SolverState:
         self.bucketed = self.index.bucketed
 
     def chosen(self, idx: int) -> NdSignature:
-        return self.cands[idx][self.choice[idx]]
+        # a member's choice is its representative's (once refinement runs, ``choose`` keeps
+        # only the representative's entry of ``choice`` up to date)
+        return self.cands[idx][self.choice[self.cls.rep[idx]]]
 
     # ----- what is needed
     def require(self, v: str, key: tuple, t: NdSbp) -> None:
@@ -319,6 +324,13 @@ class SolverState:
         self._options[memo] = found
         return found
 
+    def searched_needs(self) -> list[tuple[str, dict[tuple, NdSbp]]]:
+        """(value, its ``req``) of every value with needs but the copies (``copies``): what the
+        search looks at. Found again only when values gained needs (they never lose them)."""
+        if self._searched is None or self._searched[0] != len(self.req):
+            self._searched = len(self.req), [(v, reqs) for v, reqs in self.req.items() if v not in self.copies]
+        return self._searched[1]
+
     def shared_reads(self) -> list[tuple[str, list[int], list[tuple[int, tuple[int, ...]]]]]:
         """The values that several decided ops read (through their representatives, when they
         all read this very value), each with those ops and the positions each reads it at:
@@ -339,17 +351,16 @@ class SolverState:
 
     def choose(self, idx: int, ci: int) -> None:
         """Op ``idx`` takes candidate ``ci``, and so does every member of its layer class (the
-        layouts and needs of members that no cost reads are left as they are: ``go_live``)."""
+        layouts and needs of members that no cost reads are left as they are: ``go_live``; a
+        member's choice is read through its representative: ``chosen``)."""
         ms = self.tied.get(idx)
         if ms is None:
-            self._set_one(idx, ci)
+            self._set_all((idx,), ci)
             return
-        for m in ms:
-            self.choice[m] = ci
         if self.live is None:
-            for m in ms:
-                self._set_one(m, ci)
+            self._set_all(ms, ci)
             return
+        self.choice[idx] = ci
         live = self.live[idx]
         c = self.cands[idx][ci]  # every member shares its representative's candidate list
         ins = c.ins
@@ -376,32 +387,35 @@ class SolverState:
         if back:
             _count_n(self.reqb[v], old, t, len(keys))
 
-    def _set_one(self, idx: int, ci: int) -> None:
-        """``require`` for each of op ``idx``'s uses (inlined: the first choice of every member
-        of every layer class comes through here), and its results' layouts."""
-        self.choice[idx] = ci
-        c = self.cands[idx][ci]
-        ins, req, reqc = c.ins, self.req, self.reqc
-        held = self.held if idx in self.index.backward else _NONE
-        for v, pos in self.at[idx]:
-            reqs = req.get(v)
-            if reqs is None:
-                reqs = req[v] = {}
-            for p in pos:
-                t, key = ins[p], (idx, p)
-                old = reqs.get(key)
-                if old == t:
-                    continue
-                reqs[key] = t
-                counts = reqc.get(v)
-                if counts is None:
-                    counts = reqc[v] = {}
-                _count(counts, old, t)
-                if v in held:
-                    _count(self.reqb.setdefault(v, {}), old, t)
-        sbp, outs = self.sbp, c.outs
-        for j, o in enumerate(self.graph.nodes[idx].outputs):
-            sbp[o] = outs[j]
+    def _set_all(self, ms, ci: int) -> None:
+        """Ops ``ms`` take candidate ``ci``: ``require`` for each of their uses (inlined: the
+        first choice of every member of every layer class comes through here), and their
+        results' layouts."""
+        req, reqc, held, backward, sbp = self.req, self.reqc, self.held, self.index.backward, self.sbp
+        for m in ms:
+            self.choice[m] = ci
+            c = self.cands[m][ci]
+            ins = c.ins
+            held_here = held if m in backward else _NONE
+            for v, pos in self.at[m]:
+                reqs = req.get(v)
+                if reqs is None:
+                    reqs = req[v] = {}
+                for p in pos:
+                    t, key = ins[p], (m, p)
+                    old = reqs.get(key)
+                    if old == t:
+                        continue
+                    reqs[key] = t
+                    counts = reqc.get(v)
+                    if counts is None:
+                        counts = reqc[v] = {}
+                    _count(counts, old, t)
+                    if v in held_here:
+                        _count(self.reqb.setdefault(v, {}), old, t)
+            outs = c.outs
+            for j, o in enumerate(self.graph.nodes[m].outputs):
+                sbp[o] = outs[j]
 
     def go_live(self) -> None:
         """From now on (refinement), keep up to date only the layouts and needs that costs
@@ -418,7 +432,7 @@ class SolverState:
         self.live = {}
         for r, ms in self.tied.items():
             live = [m for m in ms if m == r or m in own
-                    or any(v in values for v in self.uses[m]) or any(o in values for o in nodes[m].outputs)]
+                    or not values.isdisjoint(self.uses[m]) or not values.isdisjoint(nodes[m].outputs)]
             # of a member live for one value it shares (the optimizer's hyperparameter read by
             # every layer's update), only that value's needs are kept: no cost reads the rest
             self.live[r] = _Live.of([(m, v, p) for m in live for v, pos in self.at[m] if v in values for p in pos],
