@@ -86,9 +86,12 @@ def layer_classes(graph: Graph, min_members: int = 3) -> LayerClasses:
     groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
     seen: dict[tuple, int] = {}
     layer_of: dict[str, tuple[int, ...]] = {}  # value -> the layer whose module path made it
+    blanked: dict[str, tuple[str, tuple[int, ...]]] = {}  # module -> blank_layers(module): ops share modules
     for idx, n in enumerate(graph.nodes):
         module = n.loc.module if n.loc else ""
-        blank, layer = blank_layers(module)
+        if module not in blanked:
+            blanked[module] = blank_layers(module)
+        blank, layer = blanked[module]
         if layer:
             layer_of.update(dict.fromkeys(n.outputs, layer))
         elif hyper[idx] and n.stage is not None:

@@ -3,7 +3,7 @@
 The rule book gives 1-D signatures per op. Here they become nd-signatures (one 1-D signature
 per mesh axis, every split dividing its dim evenly), and the block count of each strided
 split is fixed by a whole-graph analysis: positions that one signature splits together must
-share their layout, so they are joined in a union-find (networkx's); a ``split``/``cat`` of k equal parts
+share their layout, so they are joined in a union-find (``_find``); a ``split``/``cat`` of k equal parts
 makes its class ``S(d:k)``. A fused qkv weight hinted ``S(0)`` so becomes ``S(0:3)`` and is
 sharded per head, with no collective before the ``split``.
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from networkx.utils import UnionFind
-
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, Node, Role, TensorType
@@ -21,6 +19,21 @@ from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides
 
 MAX_CANDIDATES = 64
+
+
+class Layout(tuple):
+    """An nd-SBP as the search keeps it: a plain tuple in every way (equal to one, hashing as
+    one, printed as one) whose hash is computed once. The search keys its dicts and sets by
+    nd-SBPs millions of times, and a tuple hashes each of its SBPs (a Python call each) on every
+    lookup. ``Layouts.intern`` makes one per distinct nd-SBP."""
+
+    def __new__(cls, nd: NdSbp) -> Layout:
+        self = tuple.__new__(cls, nd)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
@@ -40,17 +53,27 @@ class Layouts:
         # axis -> per-node signature already decided on that axis (the micro-batch axis)
         self.fixed = fixed or {}
         # rep: node -> the node of its layer class whose signatures it shares (layer_classes);
-        # memo: what Layouts of one graph share (per-size signatures, stride patterns)
+        # memo: what Layouts of one graph share (value types, per-size signatures, stride
+        # patterns, interned layouts)
         self._memo = memo if memo is not None else {}
-        types = graph.value_types()
-        self.types = types
+        if "types" not in self._memo:
+            self._memo["types"] = graph.value_types()
+        self.types = self._memo["types"]
+        self._layouts = self._memo.setdefault("layouts", {})  # nd-SBP -> its one Layout (intern)
+        self._sbps = self._memo.setdefault("sbps", {})  # SBP -> its one copy
         self.per_size: dict[int, list[list[Signature]]] = {}
         for k in sorted(set(sizes)):
             key = ("per_size", k)
             if key not in self._memo:
                 self._memo[key] = self._all_signatures(k, rep)
             self.per_size[k] = self._memo[key]
-        self.parts = self._strides()
+        # an axis of size one splits nothing, so it adds nothing to the stride analysis: the
+        # solvers of one graph whose other sizes agree share it
+        key = ("strides", tuple(k for k in sorted(self.per_size) if k > 1))
+        if key not in self._memo:
+            self._memo[key] = self._strides()
+        self._split_at, self._counts = self._memo[key]
+        self._node_counts: dict[int, tuple] = {}  # _block_counts, once asked
         # the micro-batch axis: an optimizer op runs once a step, so there it sees every value
         # whole (a gradient accumulated over the micro-batches), never one micro-batch's part
         self.sequential = frozenset(a for a, name in enumerate(graph.mesh.sbp_axes) if name == MICROBATCH)
@@ -79,23 +102,27 @@ class Layouts:
             return [Signature((s,), (s,), "hint") for s in choices]
         return self.rules.signatures(n, in_types, k)
 
-    def _strides(self) -> dict[tuple[str, int], int]:
-        uf, demands, options = UnionFind(), [], []  # (value, dim) -> its layout class
-        ks = sorted(self.per_size)
+    def _strides(self) -> tuple[list[tuple], dict[tuple[str, int], tuple[int, ...]]]:
+        """Per node, the (position, dim) pairs some of its signatures split; and the block counts
+        of every (value, dim) of more than one block, or offered more: the fixed one first."""
+        uf: dict = {}  # (value, dim) -> its parent in the union-find of layout classes (_find)
+        demands, options = [], []
         patterns = self._memo.setdefault("patterns", {})
-        self._split_at: list[tuple] = []  # per node: the (position, dim) pairs some signature splits
-        for i, n in enumerate(self.graph.nodes):
-            lists = tuple(self.per_size[k][i] for k in ks)
+        split_ats: list[tuple] = []
+        for n, *lists in zip(self.graph.nodes, *(self.per_size[k] for k in sorted(self.per_size))):
             key = tuple(map(id, lists))
-            if key not in patterns:
-                patterns[key] = (_pattern(lists), lists)  # the lists stay alive: ids stay unique
-            unions, wants, split_at = patterns[key][0]
-            self._split_at.append(split_at)
+            found = patterns.get(key)
+            if found is None:
+                found = patterns[key] = (_pattern(lists), lists)  # the lists stay alive: ids stay unique
+            unions, wants, split_at = found[0]
+            split_ats.append(split_at)
             if not unions and not wants:
                 continue
-            names = list(n.uses()) + list(n.outputs)
+            names = n.uses() + tuple(n.outputs)
             for p, d, q, e in unions:
-                uf.union((names[p], d), (names[q], e))
+                a, b = _find(uf, (names[p], d)), _find(uf, (names[q], e))
+                if a != b:
+                    uf[b] = a
             # a view's strided split follows the shapes (an inner dim of a folded group), and
             # the same dim may also split plainly: it offers a block count, it does not fix one
             weak = self.rules.view_like(n.op)
@@ -104,20 +131,30 @@ class Layouts:
         # demands resolve against the final classes
         merged: dict = {}
         for at, parts in demands:
-            merged.setdefault(uf[at], set()).add(parts)
+            merged.setdefault(_find(uf, at), set()).add(parts)
         parts = {root: next(iter(p)) for root, p in merged.items() if len(p) == 1}
         offered: dict = {}
         for at, c in options:
-            offered.setdefault(uf[at], set()).add(c)
-        # every (value, dim) of more than one block, or offered more: its counts, the fixed one first
-        self._counts = {}
-        for x in list(uf.parents):
-            r = uf[x]
-            first = parts.get(r, 1)
-            more = tuple(sorted(offered.get(r, set()) - {first}))
-            if first != 1 or more:
-                self._counts[x] = (first, *more)
-        return parts
+            offered.setdefault(_find(uf, at), set()).add(c)
+        counts, of_class = {}, {}
+        for x in list(uf):
+            r = _find(uf, x)
+            found = of_class.get(r)
+            if found is None:
+                first = parts.get(r, 1)
+                more = tuple(sorted(offered.get(r, set()) - {first}))
+                found = of_class[r] = (first, *more) if first != 1 or more else ()
+            if found:
+                counts[x] = found
+        return split_ats, counts
+
+    def intern(self, nd: NdSbp) -> Layout:
+        """The one ``Layout`` of ``nd`` (made of the one copy of each of its SBPs): equal
+        layouts are then one object, so comparing them stops at identity."""
+        found = self._layouts.get(nd)
+        if found is None:
+            found = self._layouts[nd] = Layout(tuple(self._sbps.setdefault(s, s) for s in nd))
+        return found
 
     def block_count(self, value: str, dim: int) -> int:
         return self._counts.get((value, dim), (1,))[0]
@@ -145,11 +182,17 @@ class Layouts:
             return False
         if any(sigs[i] is not sigs[j] and sigs[i] != sigs[j] for sigs in self.per_size.values()):
             return False
-        if not self._split_at[i]:
-            return True
-        a, b = self.graph.nodes[i], self.graph.nodes[j]
-        names_a, names_b = list(a.uses()) + list(a.outputs), list(b.uses()) + list(b.outputs)
-        return all(self._counts.get((names_a[p], d)) == self._counts.get((names_b[p], d)) for p, d in self._split_at[i])
+        return not self._split_at[i] or self._block_counts(i) == self._block_counts(j)
+
+    def _block_counts(self, i: int) -> tuple:
+        """The block counts of node ``i``'s values at the (position, dim) pairs some of its
+        signatures split (``_split_at``)."""
+        found = self._node_counts.get(i)
+        if found is None:
+            n = self.graph.nodes[i]
+            names = n.uses() + tuple(n.outputs)
+            found = self._node_counts[i] = tuple(self._counts.get((names[p], d)) for p, d in self._split_at[i])
+        return found
 
     def exact(self, index: int, ins: tuple[NdSbp, ...], outs: tuple[NdSbp, ...]) -> bool:
         """Whether node ``index`` computes its op exactly with these nd-SBPs: every split divides
@@ -170,13 +213,24 @@ class Layouts:
                     for a, k in enumerate(self.sizes)]
         out = []
         for combo in itertools.product(*per_axis):
-            ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(combo[0].ins))) if combo else ()
-            outs = tuple(tuple(sig.outs[i] for sig in combo) for i in range(len(combo[0].outs))) if combo else ()
+            ins = tuple(self.intern(tuple(sig.ins[i] for sig in combo)) for i in range(len(combo[0].ins))) if combo else ()
+            outs = tuple(self.intern(tuple(sig.outs[i] for sig in combo)) for i in range(len(combo[0].outs))) if combo else ()
             if self.exact(index, ins, outs):
                 out.append(NdSignature(ins, outs, tuple(s.note for s in combo)))
             if len(out) >= MAX_CANDIDATES:
                 break
         return out
+
+
+def _find(parent: dict, x):
+    """The root of ``x``'s class in the union-find ``parent`` (element -> its parent; a new
+    element is a class of its own), halving the path on the way."""
+    p = parent.setdefault(x, x)
+    while p != x:
+        g = parent[p]
+        parent[x] = g
+        x, p = g, parent[g]
+    return x
 
 
 def _pattern(lists) -> tuple[tuple, tuple]:

@@ -22,6 +22,8 @@ def refine_ops(st: SolverState) -> bool:
         cur = st.local_cost(idx, st.cands[idx][st.choice[idx]])
         best, best_key = st.choice[idx], (round(cur, 15), partials(st.cands[idx][st.choice[idx]]), st.choice[idx])
         for ci in opts:
+            if ci == st.choice[idx]:
+                continue  # its key is the one to beat
             c = st.cands[idx][ci]
             key = (round(st.local_cost(idx, c), 15), partials(c), ci)
             if key < best_key:
@@ -43,17 +45,10 @@ def refine_values(st: SolverState, flood: bool = False) -> bool:
     its backward slicing rows and all-to-all-ing the heads back) is undone only together with
     the chain of views that then carries the heads' split to the attention's backward."""
     changed = False
-    for v, idxs in st.consumers.items():
-        if len(idxs) < 2:
-            continue
-        if st.tied:  # through the representatives, when they all take this very value
-            idxs = list(dict.fromkeys(st.cls.rep[i] for i in idxs))
-            if len(idxs) < 2 or any(v not in st.uses[i] for i in idxs):
-                continue
-        targets = {st.cands[i][ci].ins[p] for i in idxs for ci in st.options(i) for p, u in enumerate(st.uses[i]) if u == v}
+    for v, idxs, at in st.shared_reads():
+        targets = {st.cands[i][ci].ins[p] for i, pos in at for ci in st.options(i) for p in pos}
         for t in sorted(targets, key=repr):
-            if all(st.cands[i][st.choice[i]].ins[p] == t for i in idxs
-                   for p, u in enumerate(st.uses[i]) if u == v):
+            if all(st.cands[i][st.choice[i]].ins[p] == t for i, pos in at for p in pos):
                 continue
             changed |= _try_joint(st, v, t, idxs, flood)
     return changed
@@ -141,9 +136,7 @@ def _try_hoist(st: SolverState, v: str, budget: int) -> bool:
 def _hot_nodes(st: SolverState) -> list[int]:
     """Ops next to a conversion that costs more than a local copy: where moves can pay."""
     hot = set()
-    for v, reqs in st.req.items():
-        if v in st.copies:
-            continue
+    for v, reqs in st.searched_needs():
         src = st.sbp.get(v)
         for t in set(reqs.values()):
             if t != src and st.box(src, t, st.types[v]) > st.model.collective(Collective.KEEP_FIRST, st.types[v].nbytes, 2):

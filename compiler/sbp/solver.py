@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP, hint_of
-from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, GraphInput, InputKind, OutputKind, TensorType
 from sbpc.compiler.sbp.axis_use import MAX_PROBE
@@ -48,6 +47,8 @@ class Solver:
                 st.why[i.value] = f"optimizer state of {param.name}: " + ("its parameter's layout" if same else "B")
                 if same and i.value in hinted:  # ZeRO: split on dp (compiler/passes/zero.py)
                     st.sbp[i.value], st.why[i.value] = self._state_sbp(i, param, hinted[i.value])
+        for i in g.inputs:
+            st.sbp[i.value] = st.layouts.intern(st.sbp[i.value])
         for o in g.outputs_of(OutputKind.UPDATE):
             src = by_name[o.name].value
             st.require(o.value, ("update", o.name), st.sbp[src])
@@ -159,10 +160,20 @@ class Solver:
         st = self.state
         if not st.tied:
             return
-        rep, nodes, uses = st.cls.rep, st.graph.nodes, st.uses
+        rep, nodes, uses, reads = st.cls.rep, st.graph.nodes, st.uses, st.index.reads
+        # what the weights depend on besides the graph: the classes, and the layouts of the
+        # inputs their ops read. Solvers of one graph (one per mesh axis, the joint one) mostly
+        # agree on both: the weights are then found once
+        tied = {m for ms in st.tied.values() for m in ms}
+        key = (tuple(rep), tuple((i.value, st.sbp[i.value]) for i in st.graph.inputs
+                                 if any(c in tied for c in st.consumers.get(i.value, ()))))
+        found = st.index.weighs.get(key)
+        if found is not None:
+            st.weight, st.vweight, st.vrep, st.copies = found
+            return
         seen: dict[str, tuple] = {}
 
-        hyper = hyper_only(st.graph)
+        hyper = st.index.hyper
 
         def vctx(v: str):
             if v not in seen:
@@ -174,7 +185,7 @@ class Solver:
                     seen[v] = ("hyper", rep[p], nodes[p].outputs.index(v))
                     return seen[v]
                 src = ("node", rep[p], nodes[p].outputs.index(v)) if p is not None else ("input", st.sbp.get(v))
-                seen[v] = src, tuple(sorted({(rep[c], q) for c in st.consumers.get(v, ()) for q, u in enumerate(uses[c]) if u == v}))
+                seen[v] = src, tuple(sorted({(rep[c], q) for c, q in reads.get(v, ())}))
             return seen[v]
 
         def ctx(i: int):
@@ -199,6 +210,7 @@ class Solver:
         # the values a search looks at: all but those a representative's stands for
         odd_values = {v for _, extra in st.vweight.values() for v in extra}
         st.copies = {v for v, r in st.vrep.items() if v != r and v not in odd_values}
+        st.index.weighs[key] = st.weight, st.vweight, st.vrep, st.copies  # never changed after
 
     # ----- search
     def combine(self, busy: list[int], alone: list[Solver]) -> bool:
@@ -255,7 +267,7 @@ class Solver:
         if not st.layouts.exact(idx, ins, outs):
             return None
         notes = tuple(next((w.notes[a] for b, w in want if b == a), "all B") for a in range(width))
-        st.cands[idx].append(NdSignature(ins, outs, notes))
+        st.cands[idx].append(NdSignature(tuple(map(st.layouts.intern, ins)), tuple(map(st.layouts.intern, outs)), notes))
         return len(st.cands[idx]) - 1
 
     def greedy(self) -> None:
@@ -321,14 +333,21 @@ class Solver:
             if idx in st.tied:
                 whys[idx] += f", for its layer class of {len(st.tied[idx])} ops (as decided in " \
                              f"{n.loc.module if n.loc else 'this layer'})"
-        nodes = []
+        nodes, exact = [], {}
         for idx, n in enumerate(st.graph.nodes):
-            c = st.chosen(idx)
-            if not st.layouts.exact(idx, c.ins, c.outs):  # a bug in a move: never emit a wrong plan
+            c, r = st.chosen(idx), st.cls.rep[idx]
+            # the members of a class have one op, the same types and this very candidate:
+            # checked once for them all
+            key = r if c is st.chosen(r) else idx
+            ok = exact.get(key)
+            if ok is None:
+                ok = exact[key] = st.layouts.exact(idx, c.ins, c.outs)
+            if not ok:  # a bug in a move: never emit a wrong plan
                 raise RuntimeError(f"the SBP search chose an inexact signature for {n.op} -> %{n.outputs[0]}: "
                                    f"{list(c.ins)} -> {list(c.outs)}")
-            nodes.append(replace(n, sbp=list(c.outs), sbp_in=list(c.ins), why=whys[st.cls.rep[idx]]))
-        inputs = [replace(i, sbp=st.sbp[i.value], why=st.why[i.value]) for i in st.graph.inputs]
+            nodes.append(replace(n, sbp=[tuple(o) for o in c.outs], sbp_in=[tuple(i) for i in c.ins],
+                                 why=whys[r]))
+        inputs = [replace(i, sbp=tuple(st.sbp[i.value]), why=st.why[i.value]) for i in st.graph.inputs]
         return replace(st.graph, inputs=inputs, nodes=nodes, regather=st.regathered())
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sbpc.compiler.ir.aten import shares_storage
+from sbpc.compiler.ir.aten import hyper_only, shares_storage
 from sbpc.compiler.ir.types import Graph, Role, TensorType
 from sbpc.compiler.sbp.boxing_plan import boxing_cost
 from sbpc.compiler.sbp.cost_model import CostModel
@@ -17,15 +17,27 @@ from sbpc.compiler.sbp.layout import Layouts, NdSignature
 from sbpc.runtime.sbp import NdSbp
 
 Use = tuple[str, tuple[int, ...]]  # a value an op uses, with the positions it takes it at
+_NONE: dict = {}  # an empty mapping to look things up in; never written
+
+
+def _count_n(counts: dict[NdSbp, int], old: NdSbp, new: NdSbp, n: int) -> None:
+    """``n`` positions move from needing ``old`` to needing ``new``: ``_count`` n times over."""
+    k = counts[old]
+    if k == n:
+        del counts[old]
+    else:
+        counts[old] = k - n
+    counts[new] = counts.get(new, 0) + n
 
 
 def _count(counts: dict[NdSbp, int], old: NdSbp | None, new: NdSbp) -> None:
     """One position moves from needing ``old`` (None: it needed nothing) to needing ``new``."""
     if old is not None:
-        if counts[old] == 1:
+        k = counts[old]
+        if k == 1:
             del counts[old]
         else:
-            counts[old] -= 1
+            counts[old] = k - 1
     counts[new] = counts.get(new, 0) + 1
 
 
@@ -41,11 +53,26 @@ class GraphIndex:
     # forward values a backward op reads (kept from the forward to the backward), each with
     # whether its bytes are its own (False: a view of a saved value, whose storage is counted there)
     saved: dict[str, bool]
+    reads: dict[str, list[tuple[int, int]]]  # value -> (op, position) of each use of it, in program order
+    hyper: list[bool]  # per op: computed from hyperparameters alone (aten.hyper_only)
+    bucketed: frozenset[str]  # the values that serve one gradient (gradient_tail)
+    # the layer-class weights solvers found (Solver._weigh), by what they depend on
+    weighs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, graph: Graph) -> GraphIndex:
         uses = [list(n.uses()) for n in graph.nodes]
-        at = [[(v, tuple(p for p, u in enumerate(us) if u == v)) for v in dict.fromkeys(us)] for us in uses]
+        at: list[list[Use]] = []
+        reads: dict[str, list[tuple[int, int]]] = {}
+        consumers: dict[str, list[int]] = {}  # Graph.users, found on the way
+        for i, us in enumerate(uses):
+            pos: dict[str, list[int]] = {}
+            for p, u in enumerate(us):
+                pos.setdefault(u, []).append(p)
+                reads.setdefault(u, []).append((i, p))
+            at.append([(v, tuple(ps)) for v, ps in pos.items()])
+            for v in pos:
+                consumers.setdefault(v, []).append(i)
         backward = frozenset(i for i, n in enumerate(graph.nodes) if n.role == Role.BACKWARD)
         read_back = {u for i in backward for u in uses[i]}
         root: dict[str, str] = {}
@@ -54,7 +81,8 @@ class GraphIndex:
                 root[o] = root.get(uses[i][0], uses[i][0]) if shares_storage(n.op) and uses[i] else o
         saved = {o: root[o] == o or root[o] not in read_back for n in graph.nodes if n.role == Role.FORWARD
                  for o in n.outputs if o in read_back}
-        return cls(uses, graph.producers(), graph.users(), at, backward, saved)
+        return cls(uses, graph.producers(), consumers, at, backward, saved, reads, hyper_only(graph),
+                   gradient_tail(graph, consumers))
 
 
 @dataclass
@@ -74,8 +102,7 @@ class SolverState:
     vweight: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # the same for values
     vrep: dict[str, str] = field(default_factory=dict)  # value -> the representative's value it stands for
     copies: set[str] = field(default_factory=set)  # values that another layer's copy stands for
-    live: dict[int, list[int]] | None = None  # representative -> the members `choose` keeps up to date
-    live_values: dict[int, tuple[list, list]] = field(default_factory=dict)  # live member -> (uses, results) kept
+    live: dict[int, _Live] | None = None  # representative -> what `choose` keeps up to date of its class
     # the decisions
     sbp: dict[str, NdSbp] = field(default_factory=dict)  # value -> its nd-SBP
     why: dict[str, str] = field(default_factory=dict)  # input value -> where its nd-SBP came from
@@ -95,7 +122,10 @@ class SolverState:
     at: list[list[Use]] = field(init=False)
     held: dict[str, bool] = field(init=False)  # the saved values whose memory is priced (index.saved, or none)
     _box: dict = field(init=False, default_factory=dict)  # (src, dst, type, bucketed) -> price
-    _compute: dict = field(init=False, default_factory=dict)  # (op, candidate) -> its compute price
+    _compute: dict = field(init=False, default_factory=dict)  # (op, id(candidate)) -> (candidate, its compute price)
+    _prices: dict = field(init=False, default_factory=dict)  # (value, id(src), id(dst)) -> (src, dst, box price)
+    _shared_reads: list | None = field(init=False, default=None)  # shared_reads(), once found
+    _searched: tuple | None = field(init=False, default=None)  # (len(req), searched_needs()) once found
     _options: dict = field(init=False, default_factory=dict)  # (op, its choice, focus) -> options()
     bucketed: frozenset[str] = field(init=False)  # the values that serve one gradient (gradient_tail)
     # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
@@ -112,20 +142,27 @@ class SolverState:
         self.held = self.index.saved if self.model.memory(1 << 30) > 0 else {}
         if not self.choice:
             self.choice = [0] * len(self.graph.nodes)
-        self.bucketed = gradient_tail(self.graph, self.consumers)
+        self.bucketed = self.index.bucketed
 
     def chosen(self, idx: int) -> NdSignature:
-        return self.cands[idx][self.choice[idx]]
+        # a member's choice is its representative's (once refinement runs, ``choose`` keeps
+        # only the representative's entry of ``choice`` up to date)
+        return self.cands[idx][self.choice[self.cls.rep[idx]]]
 
     # ----- what is needed
     def require(self, v: str, key: tuple, t: NdSbp) -> None:
         """Consumer position ``key`` needs ``v`` as ``t``."""
-        reqs = self.req.setdefault(v, {})
+        reqs = self.req.get(v)
+        if reqs is None:
+            reqs = self.req[v] = {}
         old = reqs.get(key)
         if old == t:
             return
         reqs[key] = t
-        _count(self.reqc.setdefault(v, {}), old, t)
+        counts = self.reqc.get(v)
+        if counts is None:
+            counts = self.reqc[v] = {}
+        _count(counts, old, t)
         if v in self.held and key[0] in self.index.backward:
             _count(self.reqb.setdefault(v, {}), old, t)
 
@@ -148,24 +185,42 @@ class SolverState:
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
-        key = (idx, c)  # a pure function of the two: the refinement asks again and again
-        price = self._compute.get(key)
-        if price is None:
-            n = self.graph.nodes[idx]
-            ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
-            price = self._compute[key] = self.model.compute(sum(t.local_nbytes(nd, self.sizes)
-                                                                for t, nd in zip(ts, c.ins + c.outs)))
+        # a pure function of the two: the refinement asks again and again. Keyed by the
+        # candidate's identity (hashing a signature hashes every layout in it); the entry keeps
+        # the candidate, so its id is not reused while the entry lives
+        found = self._compute.get((idx, id(c)))
+        if found is not None and found[0] is c:
+            return found[1]
+        n = self.graph.nodes[idx]
+        ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
+        price = self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
+        self._compute[(idx, id(c))] = (c, price)
         return price
 
     def value_cost(self, v: str, src: NdSbp, reqs, back=(), forward=None) -> float:
         """Converting ``v`` from ``src`` into each distinct layout of ``reqs``, and holding what
         the backward reads of it (``back``: the layouts backward ops need; ``forward``: those the
         other ops need, by default as the counts stand)."""
-        bucketed = v in self.bucketed
-        cost = sum(self.box(src, t, self.types[v], bucketed) for t in set(reqs) if t != src)
+        cost, prices = 0, self._prices  # as sum() adds: from 0, in the set's order
+        for t in set(reqs):
+            if t is not src and t != src:
+                found = prices.get((v, id(src), id(t)))
+                cost += found[2] if found is not None and found[0] is src and found[1] is t else self._convert(v, src, t)
         if back and v in self.held:
             cost += min(self.holding(v, src, set(back), self._forward(v) if forward is None else forward))
         return cost
+
+    def _convert(self, v: str, src: NdSbp, dst: NdSbp) -> float:
+        """``box`` for value ``v``, memoized by the layouts' identities (the candidates' layouts
+        are few objects, asked for again and again; hashing one hashes each of its axes). The
+        entry keeps both layouts, so their ids are not reused while it lives."""
+        key = (v, id(src), id(dst))
+        found = self._prices.get(key)
+        if found is not None and found[0] is src and found[1] is dst:
+            return found[2]
+        price = self.box(src, dst, self.types[v], v in self.bucketed)
+        self._prices[key] = (src, dst, price)
+        return price
 
     def _forward(self, v: str) -> set:
         counts, back = self.reqc.get(v, {}), self.reqb.get(v, {})
@@ -208,20 +263,21 @@ class SolverState:
 
     def _local_cost(self, idx: int, c: NdSignature) -> float:
         cost = self.compute(idx, c)
-        n = self.graph.nodes[idx]
+        reqc, req, sbp, held, value_cost, ins = self.reqc, self.req, self.sbp, self.held, self.value_cost, c.ins
         for v, pos in self.at[idx]:
             # what the other consumers need, and what c needs
-            counts, reqs = self.reqc.get(v, {}), self.req.get(v, {})
+            counts, reqs = reqc.get(v, _NONE), req.get(v, _NONE)
             mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
             need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
-            need.update(c.ins[p] for p in pos)
-            if v in self.held:  # the same split by phase: which layouts the backward needs
-                back, forward = self._phases(v, idx, mine, [c.ins[p] for p in pos])
-                cost += self.value_cost(v, self.sbp[v], need, back, forward)
+            need.update(ins[p] for p in pos)
+            if v in held:  # the same split by phase: which layouts the backward needs
+                back, forward = self._phases(v, idx, mine, [ins[p] for p in pos])
+                cost += value_cost(v, sbp[v], need, back, forward)
             else:
-                cost += self.value_cost(v, self.sbp[v], need)
-        for j, o in enumerate(n.outputs):
-            cost += self.value_cost(o, c.outs[j], self.needs(o), self.back_needs(o))
+                cost += value_cost(v, sbp[v], need)
+        reqb, outs = self.reqb, c.outs
+        for j, o in enumerate(self.graph.nodes[idx].outputs):
+            cost += value_cost(o, outs[j], reqc.get(o, _NONE).keys(), reqb.get(o, _NONE).keys())
         return cost
 
     def _phases(self, v: str, idx: int, mine: list[NdSbp], wanted: list[NdSbp]) -> tuple[set, set]:
@@ -268,31 +324,98 @@ class SolverState:
         self._options[memo] = found
         return found
 
+    def searched_needs(self) -> list[tuple[str, dict[tuple, NdSbp]]]:
+        """(value, its ``req``) of every value with needs but the copies (``copies``): what the
+        search looks at. Found again only when values gained needs (they never lose them)."""
+        if self._searched is None or self._searched[0] != len(self.req):
+            self._searched = len(self.req), [(v, reqs) for v, reqs in self.req.items() if v not in self.copies]
+        return self._searched[1]
+
+    def shared_reads(self) -> list[tuple[str, list[int], list[tuple[int, tuple[int, ...]]]]]:
+        """The values that several decided ops read (through their representatives, when they
+        all read this very value), each with those ops and the positions each reads it at:
+        where a joint move can pay (``refine_values``). The graph's structure alone decides
+        them, so they are found once."""
+        if self._shared_reads is None:
+            out = []
+            for v, idxs in self.consumers.items():
+                if len(idxs) < 2:
+                    continue
+                if self.tied:
+                    idxs = list(dict.fromkeys(self.cls.rep[i] for i in idxs))
+                    if len(idxs) < 2 or any(v not in self.uses[i] for i in idxs):
+                        continue
+                out.append((v, idxs, [(i, tuple(p for p, u in enumerate(self.uses[i]) if u == v)) for i in idxs]))
+            self._shared_reads = out
+        return self._shared_reads
+
     def choose(self, idx: int, ci: int) -> None:
         """Op ``idx`` takes candidate ``ci``, and so does every member of its layer class (the
-        layouts and needs of members that no cost reads are left as they are: ``go_live``)."""
+        layouts and needs of members that no cost reads are left as they are: ``go_live``; a
+        member's choice is read through its representative: ``chosen``)."""
         ms = self.tied.get(idx)
         if ms is None:
-            self._set_one(idx, ci)
+            self._set_all((idx,), ci)
             return
+        if self.live is None:
+            self._set_all(ms, ci)
+            return
+        self.choice[idx] = ci
+        live = self.live[idx]
+        c = self.cands[idx][ci]  # every member shares its representative's candidate list
+        ins = c.ins
+        for v, keys, p, back in live.shared:
+            self._require_all(v, keys, ins[p], back)
+        for v, key, p in live.own:
+            self.require(v, key, ins[p])
+        outs = c.outs
+        for o, j in live.results:
+            self.sbp[o] = outs[j]
+
+    def _require_all(self, v: str, keys: tuple, t: NdSbp, back: bool) -> None:
+        """``require(v, key, t)`` for every key of ``keys``, in one step: every key needs the
+        same layout now (they are positions of one class's members, which always choose
+        together), so the counts move by ``len(keys)`` at once; the dicts end as the one-by-one
+        updates leave them, their order included."""
+        reqs = self.req[v]
+        old = reqs[keys[0]]
+        if old == t:
+            return
+        for k in keys:
+            reqs[k] = t
+        _count_n(self.reqc[v], old, t, len(keys))
+        if back:
+            _count_n(self.reqb[v], old, t, len(keys))
+
+    def _set_all(self, ms, ci: int) -> None:
+        """Ops ``ms`` take candidate ``ci``: ``require`` for each of their uses (inlined: the
+        first choice of every member of every layer class comes through here), and their
+        results' layouts."""
+        req, reqc, held, backward, sbp = self.req, self.reqc, self.held, self.index.backward, self.sbp
         for m in ms:
             self.choice[m] = ci
-        if self.live is None:
-            for m in ms:
-                self._set_one(m, ci)
-            return
-        for m in self.live[idx]:
-            self._set_one(m, ci, *self.live_values[m])
-
-    def _set_one(self, idx: int, ci: int, at: list[Use] | None = None, outs: list[tuple[int, str]] | None = None) -> None:
-        """``at`` / ``outs``: the uses and results to keep up to date (default: all of them)."""
-        self.choice[idx] = ci
-        c = self.cands[idx][ci]
-        for v, pos in self.at[idx] if at is None else at:
-            for p in pos:
-                self.require(v, (idx, p), c.ins[p])
-        for j, o in enumerate(self.graph.nodes[idx].outputs) if outs is None else outs:
-            self.sbp[o] = c.outs[j]
+            c = self.cands[m][ci]
+            ins = c.ins
+            held_here = held if m in backward else _NONE
+            for v, pos in self.at[m]:
+                reqs = req.get(v)
+                if reqs is None:
+                    reqs = req[v] = {}
+                for p in pos:
+                    t, key = ins[p], (m, p)
+                    old = reqs.get(key)
+                    if old == t:
+                        continue
+                    reqs[key] = t
+                    counts = reqc.get(v)
+                    if counts is None:
+                        counts = reqc[v] = {}
+                    _count(counts, old, t)
+                    if v in held_here:
+                        _count(self.reqb.setdefault(v, {}), old, t)
+            outs = c.outs
+            for j, o in enumerate(self.graph.nodes[m].outputs):
+                sbp[o] = outs[j]
 
     def go_live(self) -> None:
         """From now on (refinement), keep up to date only the layouts and needs that costs
@@ -308,13 +431,38 @@ class SolverState:
         own = {m for _, odd in self.weight.values() for m in odd}
         self.live = {}
         for r, ms in self.tied.items():
-            self.live[r] = [m for m in ms if m == r or m in own
-                            or any(v in values for v in self.uses[m]) or any(o in values for o in nodes[m].outputs)]
+            live = [m for m in ms if m == r or m in own
+                    or not values.isdisjoint(self.uses[m]) or not values.isdisjoint(nodes[m].outputs)]
             # of a member live for one value it shares (the optimizer's hyperparameter read by
             # every layer's update), only that value's needs are kept: no cost reads the rest
-            for m in self.live[r]:
-                self.live_values[m] = ([(v, pos) for v, pos in self.at[m] if v in values],
-                                       [(j, o) for j, o in enumerate(nodes[m].outputs) if o in values])
+            self.live[r] = _Live.of([(m, v, p) for m in live for v, pos in self.at[m] if v in values for p in pos],
+                                    [(o, j) for m in live for j, o in enumerate(nodes[m].outputs) if o in values],
+                                    self.held, self.index.backward)
+
+
+@dataclass
+class _Live:
+    """What ``choose`` keeps up to date of one layer class once refinement runs (``go_live``)."""
+    # a value every live member reads once, at one position: (value, their keys, the position,
+    # whether they are backward ops reading a held value), updated in one step (_require_all)
+    shared: list[tuple[str, tuple, int, bool]]
+    own: list[tuple[str, tuple, int]]  # the other (value, key, position) needs, in program order
+    results: list[tuple[str, int]]  # (value, output index) of the members' results
+
+    @classmethod
+    def of(cls, uses: list[tuple[int, str, int]], results: list[tuple[str, int]], held, backward) -> _Live:
+        by_value: dict[str, list[tuple[int, int]]] = {}
+        for m, v, p in uses:
+            by_value.setdefault(v, []).append((m, p))
+        shared, own = [], []
+        for v, at in by_value.items():
+            members = [m for m, _ in at]
+            phases = {v in held and m in backward for m in members}
+            if len(at) > 1 and len({p for _, p in at}) == 1 and len(set(members)) == len(members) and len(phases) == 1:
+                shared.append((v, tuple(at), at[0][1], phases.pop()))
+            else:
+                own += [(v, (m, p), p) for m, p in at]
+        return cls(shared, own, results)
 
 
 def gradient_tail(graph: Graph, consumers: dict[str, list[int]]) -> frozenset[str]:
