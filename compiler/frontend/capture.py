@@ -10,6 +10,7 @@ chunk in ``Node.stage`` (a hint the stage-partition pass completes).
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import operator
 import re
@@ -42,6 +43,22 @@ from sbpc.runtime.precision import autocast
 from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
+@contextlib.contextmanager
+def _without_gc():
+    """Python's cyclic GC off during capture: building, tracing and importing a model makes
+    objects (fake tensors, fx nodes, IR nodes) by the hundred thousand and keeps most, and each
+    full collection scans them all again (a quarter of the capture's time at 1T). The cyclic
+    garbage capture leaves is collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@_without_gc()
 def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
             config: ParallelConfig | None = None, precision: PrecisionSpec = PrecisionSpec(),
             stamp: bool = True) -> Graph:
@@ -70,18 +87,18 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
             with _module_output_hints(model, config):
                 scale = [torch.empty((), dtype=torch.float32)] if precision.loss_scaling else []
                 repeated = find_repeated(model, config) if stamp else None
-                gm = _trace_joint(model, source, params, buffers, batch, precision.compute, scale, repeated)
+                graph = _trace_joint(model, source, params, buffers, batch, precision.compute, scale, repeated)
             init_nodes, init_outputs = recorder.to_init_region(params + buffers)
     finally:
         ACTIVE.reset(token)
     entries = [(InputKind.PARAM, n, p) for n, p in params] + [(InputKind.BUFFER, n, b) for n, b in buffers]
     entries += [(InputKind.BATCH, f"batch.{i}", b) for i, b in enumerate(batch)]
-    imported = import_fx(gm, [value_name(n) for _, n, _ in entries] + [loss_scale.scale_input().value] * len(scale))
+    imported = import_fx(graph, [value_name(n) for _, n, _ in entries] + [loss_scale.scale_input().value] * len(scale))
     names = imported.names
     inputs = [GraphInput(kind, names[ph], tensor_type(t), n) for (kind, n, t), ph in zip(entries, imported.placeholders)]
     inputs += [loss_scale.scale_input()] * len(scale)
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
-        imported.nodes = _stage_hints(gm, imported.nodes, config)
+        imported.nodes = _stage_hints(graph, imported.nodes, config)
     nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
@@ -113,10 +130,10 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
 
 
-def _stage_hints(gm: torch.fx.GraphModule, nodes: list[Node], config: ParallelConfig) -> list[Node]:
+def _stage_hints(graph: torch.fx.Graph, nodes: list[Node], config: ParallelConfig) -> list[Node]:
     """Forward ops traced inside a ``sbpc.stage`` scope, or run by a module a ``[stages]`` glob
     names, get that chunk as ``Node.stage``; an in-code scope wins over the config."""
-    by_name = {n.name: n for n in gm.graph.nodes}
+    by_name = {n.name: n for n in graph.nodes}
     out = []
     for n in nodes:
         chunk = None
@@ -183,7 +200,7 @@ def _build(source: ModelSource) -> torch.nn.Module:
 
 
 def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: Precision,
-                 scale: list[torch.Tensor], repeated: Repeated | None = None) -> torch.fx.GraphModule:
+                 scale: list[torch.Tensor], repeated: Repeated | None = None) -> torch.fx.Graph:
     """``scale``: fp16's loss scale (one 0-d tensor) or nothing; the gradients are those of
     ``loss * scale``, as after ``GradScaler.scale(loss).backward()``. ``repeated``: layers
     to trace once and stamp out (``stamp.py``)."""
@@ -203,7 +220,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         seed = loss * scale_vals[0] if scale_vals else loss
         return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
-    def trace(stamper: Stamper | None) -> torch.fx.GraphModule:
+    def trace(stamper: Stamper | None) -> torch.fx.Graph:
         with _module_paths(model), fx_traceback.preserve_node_meta(), \
                 (stamper.active() if stamper else contextlib.nullcontext()):
             try:
@@ -213,7 +230,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
                 raise
             except Exception as err:
                 raise _capture_error(err, source) from err
-        return expand(gm, stamper, names) if stamper else gm
+        return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:
         return trace(None)

@@ -7,6 +7,7 @@ forward op it differentiates (same autograd ``seq_nr``).
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import re
@@ -85,15 +86,16 @@ class ImportedGraph:
     outputs: list[Any]  # the fx output node's flat args
 
 
-def import_fx(gm: torch.fx.GraphModule, input_names: list[str] | None = None) -> ImportedGraph:
-    """``input_names`` renames the placeholders, in order (fx names them ``arg0_1``...)."""
+def import_fx(graph: torch.fx.Graph, input_names: list[str] | None = None) -> ImportedGraph:
+    """``input_names`` renames the placeholders, in order (fx names them ``arg0_1``...). The
+    tensor constants of ``get_attr`` nodes are attributes of ``graph.owning_module``."""
     names: dict[torch.fx.Node, str] = {}
     given = iter(input_names or [])
-    locs = _forward_locations(gm)
+    locs = _forward_locations(graph)
     nodes: list[Node] = []
     placeholders = []
     outputs: list[Any] = []
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if n.op == "placeholder":
             names[n] = next(given, n.name)
             placeholders.append(n)
@@ -104,7 +106,7 @@ def import_fx(gm: torch.fx.GraphModule, input_names: list[str] | None = None) ->
         elif n.op == "call_function":
             nodes.append(_import_node(n, names, locs))
         elif n.op == "get_attr":
-            nodes.append(_import_constant(n, getattr(gm, n.target), names))
+            nodes.append(_import_constant(n, getattr(graph.owning_module, n.target), names))
         else:
             raise CaptureError(f"unexpected fx node {n.op} {n.name}")
     return ImportedGraph(nodes, names, placeholders, outputs)
@@ -147,10 +149,10 @@ def _import_constant(n: torch.fx.Node, value: torch.Tensor, names: dict) -> Node
                 {"dtype": DType(ttype.dtype)}, [ttype], Role.FORWARD, loc=_location(n))
 
 
-def _forward_locations(gm: torch.fx.GraphModule) -> dict[str, SourceLoc]:
+def _forward_locations(graph: torch.fx.Graph) -> dict[str, SourceLoc]:
     """seq_nr -> location of the forward op; backward ops look theirs up here."""
     out: dict[str, SourceLoc] = {}
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         seq = n.meta.get("seq_nr")
         if n.op == "call_function" and not n.meta.get("autograd_backward") and seq not in (None, "-1", -1):
             loc = _location(n)
@@ -171,14 +173,22 @@ def _location(n: torch.fx.Node) -> SourceLoc | None:
 
 def caller_location() -> SourceLoc | None:
     """The innermost frame of the current stack that is the user's code (not torch, not sbpc)."""
+    cwd = os.getcwd()
     frame = sys._getframe(1)
     while frame is not None:
-        if is_user_file(frame.f_code.co_filename):
+        if _is_user_file(frame.f_code.co_filename, cwd):
             return SourceLoc("", display_path(frame.f_code.co_filename), frame.f_lineno)
         frame = frame.f_back
     return None
 
 
 def is_user_file(filename: str) -> bool:
-    path = os.path.abspath(filename)
+    return _is_user_file(filename, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(filename: str, cwd: str) -> bool:
+    """Cached per working directory (a relative name is resolved against it): capture asks for
+    every frame of every op, of a handful of files."""
+    path = os.path.normpath(os.path.join(cwd, filename))
     return not path.startswith(_LIBRARY_DIRS) and not path.startswith(_SBPC_DIRS) and not filename.startswith("<")

@@ -39,6 +39,7 @@ class InitRecorder(TorchDispatchMode):
         self.ops: list[_Recorded] = []
         self.names: dict[int, str] = {}
         self.keep: list[torch.Tensor] = []  # holds tensors alive so their id() is never reused
+        self._ops: dict = {}  # OpOverload -> (name, mutates, random)
 
     def _name(self, t: torch.Tensor) -> str:
         key = id(t)
@@ -50,19 +51,24 @@ class InitRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat_out, _ = tree_flatten(out)
-        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        mutates = func._schema.is_mutable
+        flat_in: list[torch.Tensor] = []
+        _tensors(args, flat_in)
+        _tensors(kwargs, flat_in)
+        flat_out: list[torch.Tensor] = []
+        _tensors(out, flat_out)
         ins = {id(t) for t in flat_in}
-        fresh = [t for t in flat_out if isinstance(t, torch.Tensor) and id(t) not in ins]
+        fresh = [t for t in flat_out if id(t) not in ins]
         for t in flat_in:
             if id(t) not in self.names:
                 self._record_constant(t)
         conv = lambda a: Ref(self._name(a)) if isinstance(a, torch.Tensor) else convert_arg(a, None)
         rec_args = tuple(_map(conv, a) for a in args)
         rec_kwargs = {k: _map(conv, v) for k, v in kwargs.items()}
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        self.ops.append(_Recorded(str(func), rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
+        op = self._ops.get(func)
+        if op is None:  # per op, not per call: a 1T model's build records ~7,000 calls of ~20 ops
+            op = self._ops[func] = (str(func), func._schema.is_mutable, torch.Tag.nondeterministic_seeded in func.tags)
+        name, mutates, random = op
+        self.ops.append(_Recorded(name, rec_args, rec_kwargs, [self._name(t) for t in fresh], fresh, flat_in,
                                   mutates, random, caller_location()))
         return out
 
@@ -123,6 +129,18 @@ def _storage(t: torch.Tensor) -> int:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (_storage(a) == _storage(b) and a.shape == b.shape and a.stride() == b.stride()
             and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
+
+
+def _tensors(a, into: list[torch.Tensor]) -> None:
+    """The tensors in an op's arguments or results (nested lists, tuples, dicts), in order."""
+    if isinstance(a, torch.Tensor):
+        into.append(a)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _tensors(x, into)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _tensors(x, into)
 
 
 def _map(fn, a):

@@ -114,7 +114,7 @@ def splice(fn, args: list[tuple[str, TensorType]], prefix: str, nodes: list[Node
     reading those values, as optimizer ops; returns the values of its results."""
     with FakeTensorMode():
         fakes = [torch.empty(t.shape, dtype=getattr(torch, DTYPES[t.dtype])) for _, t in args]
-    traced = import_fx(make_fx(fn, tracing_mode="fake")(*fakes))
+    traced = import_fx(make_fx(fn, tracing_mode="fake")(*fakes).graph)
     rename = dict(zip((traced.names[p] for p in traced.placeholders), (v for v, _ in args)))
     for n in traced.nodes:
         rename.update({o: f"{prefix}_{o}" for o in n.outputs})

@@ -7,6 +7,7 @@ A model file is plain PyTorch. It defines ``build_model(**kw)`` (a module whose
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import traceback
@@ -114,5 +115,12 @@ def user_location(err: BaseException, path: str) -> str | None:
 
 
 def display_path(filename: str) -> str:
-    rel = os.path.relpath(filename)
+    return _display_path(filename, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)
+def _display_path(filename: str, cwd: str) -> str:
+    """Cached per working directory (relpath is relative to it): capture asks once per op, for
+    a handful of files."""
+    rel = os.path.relpath(filename, cwd)
     return filename if rel.startswith("..") else rel

@@ -96,7 +96,7 @@ def _template(cfg: OptimizerConfig, dtype: str):
     example = [torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype])) for _ in range(2 + len(cfg.state_names))]
     # the step counter and the learning rate: two tensors (one object twice would trace as one input)
     example += [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
-    tpl = import_fx(make_fx(lambda *a: update(*a))(*example))
+    tpl = import_fx(make_fx(lambda *a: update(*a))(*example).graph)
     for n in tpl.nodes:  # stamping per parameter only rewrites types, so no op may name a shape
         if any(isinstance(a, list) and tuple(a) == shape for a in (*n.args, *n.kwargs.values())):
             raise CompileError(f"the {cfg.kind} update uses a shape literal ({n.op}); it cannot be stamped per parameter")

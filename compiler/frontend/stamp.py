@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from sbpc.compiler.frontend.repeated_layers import Repeated, same
 
@@ -79,7 +80,8 @@ def _layer_setup(ctx, inputs, output):
 
 def _layer_backward_formula(ctx, *grads):
     grads = grads[0] if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else grads
-    made = iter(_layer_backward(ctx.k, list(grads)))
+    with _no_stack_traces():  # expand replaces the op and its getitems by layer 1's copies
+        made = iter(_layer_backward(ctx.k, list(grads)))
     return None, [next(made) if need else None for need in _ACTIVE.get().template.needs_grad]
 
 
@@ -95,6 +97,22 @@ def _layer_backward(k: int, grads: list[torch.Tensor | None]) -> list[torch.Tens
 def _(k, grads):
     t = _ACTIVE.get().template
     return [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m, need in zip(t.ins, t.needs_grad) if need]
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """make_fx records no stack trace for the nodes made inside: it costs ~0.1 ms per node
+    (a traceback with each frame's source line), and an opaque backward op has a getitem per
+    gradient, none of which the expanded graph keeps."""
+    tracer = getattr(get_proxy_mode(), "tracer", None)
+    was = getattr(tracer, "record_stack_traces", False)
+    if tracer is not None:
+        tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        if tracer is not None:
+            tracer.record_stack_traces = was
 
 
 MARK = torch.ops.sbpc_stamp.mark.default

@@ -18,17 +18,19 @@ from sbpc.compiler.frontend.hints import STAGE_KEY
 from sbpc.compiler.frontend.stamp import IN, LAYER, LAYER_BACKWARD, MARK, MARK_GRAD, OUT, NotStampable, Stamper
 
 
-def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -> torch.fx.GraphModule:
+def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -> torch.fx.Graph:
     """The graph with every opaque layer replaced by a copy of layer 1 (module docstring).
-    ``state_names``: the joint's placeholders' names (parameters, then buffers), in order."""
+    ``state_names``: the joint's placeholders' names (parameters, then buffers), in order.
+    The graph's owning module is ``gm`` (its ``get_attr`` constants); no GraphModule is made
+    of it: nothing runs it, and its Python code (fx's codegen, ~0.3 s at 1T) would go unread."""
     nodes = list(gm.graph.nodes)
     if not any(n.op == "call_function" and n.target is MARK for n in nodes):
-        return gm  # layer 1 never ran: nothing was marked
+        return gm.graph  # layer 1 never ran: nothing was marked
     if stamper.repeats:
         raise NotStampable("a layer was called more than once")
     # without stamped layers (layer 1 was no template) the rebuild only drops layer 1's marks
     t = _regions(nodes, stamper, state_names) if stamper.stamped else None
-    graph = torch.fx.Graph()
+    graph = torch.fx.Graph(owning_module=gm)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     forward_env: dict[int, dict] = {}  # layer -> template node -> its copy
     inputs: dict[int, list] = {}  # layer -> what its opaque op was given, re-bound
@@ -62,9 +64,9 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
         elif n.op in ("placeholder", "output", "get_attr"):
             env[n] = graph.node_copy(n, lambda a: env[a])
         else:
-            env[n] = graph.create_node(n.op, n.target, torch.fx.node.map_arg(n.args, env.__getitem__), torch.fx.node.map_arg(n.kwargs, env.__getitem__), _base(graph, n))
+            env[n] = _create(graph, n, torch.fx.node.map_arg(n.args, env.__getitem__), torch.fx.node.map_arg(n.kwargs, env.__getitem__), _base(graph, n))
             env[n].meta = n.meta
-    return torch.fx.GraphModule(gm, graph)
+    return graph
 
 
 @dataclass
@@ -202,7 +204,7 @@ def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, pat
     old, new = f"{path}.1", f"{path}.{k}"
     stage = (site.meta.get("custom") or {}).get(STAGE_KEY) if site.target is LAYER else None
     for n in template:
-        c = graph.create_node(n.op, n.target, torch.fx.node.map_arg(n.args, look), torch.fx.node.map_arg(n.kwargs, look), _base(graph, n))
+        c = _create(graph, n, torch.fx.node.map_arg(n.args, look), torch.fx.node.map_arg(n.kwargs, look), _base(graph, n))
         meta = dict(n.meta)
         custom = dict(meta.get("custom") or {})
         module = custom.get(MODULE_KEY)
@@ -220,6 +222,15 @@ def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, pat
         c.meta = meta
         made[n] = c
     return made
+
+
+def _create(graph: torch.fx.Graph, n: torch.fx.Node, args: tuple, kwargs: dict, name: str) -> torch.fx.Node:
+    """``graph.create_node(n.op, n.target, args, kwargs, name)``, its arguments assigned after:
+    create_node walks them with pytree to warn of raw SymInts (half of expand's time), and
+    a copy of a traced node holds none."""
+    c = graph.create_node(n.op, n.target, name=name)
+    c.args, c.kwargs = args, kwargs
+    return c
 
 
 _SUFFIX = re.compile(r"_\d+$")
