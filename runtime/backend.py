@@ -77,6 +77,11 @@ class Communicator(ABC):
     def start(self, kind: str, t: torch.Tensor, group: tuple[int, ...], **kw) -> Work:
         return Done(getattr(self, kind)(t, group, **kw))
 
+    def start_all_reduce_over(self, t: torch.Tensor, group: tuple[int, ...], op: str = "sum") -> Work:
+        """An all-reduce whose result may be written over ``t`` (the caller holds ``t`` for
+        nothing else): no buffer of its own. A transport without an in-place path makes one."""
+        return self.start("all_reduce", t, group, op=op)
+
     def post_recv(self, shape: list[int], dtype: torch.dtype, peer: int, tag: int = 0, what: str = "recv") -> Work:
         """A receive posted before its value is needed; ``wait()`` gives the tensor. The default
         receives at the wait (a transport whose messages wait in a mailbox anyway)."""

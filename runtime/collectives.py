@@ -77,10 +77,14 @@ class _Flight(Work):
         return self.finish(self.work.wait())
 
 
-def _start_all_reduce(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum") -> Work:
+def _start_all_reduce(backend: Backend, x: torch.Tensor, axis: str, reduce: str = "sum", overwrite: bool = False) -> Work:
+    """``overwrite``: the plan holds ``x`` for nothing else (the overlap pass proved it dies
+    here and owns its storage), so the result may be written over it."""
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
         return Done(x)
+    if overwrite:
+        return backend.communicator.start_all_reduce_over(x, group, _reduce(reduce))
     return backend.communicator.start("all_reduce", x, group, op=_reduce(reduce))
 
 
@@ -90,7 +94,8 @@ def _start_all_reduce_coalesced(backend: Backend, xs: list[torch.Tensor], axis: 
     group, _ = axis_group(backend, axis)
     if len(group) == 1:
         return Done(list(xs))
-    work = backend.communicator.start("all_reduce", torch.cat([x.reshape(-1) for x in xs]), group, op=_reduce(reduce))
+    # the flat copy is this kernel's own: reduced in place, it is the result buffer
+    work = backend.communicator.start_all_reduce_over(torch.cat([x.reshape(-1) for x in xs]), group, _reduce(reduce))
     shapes, sizes = [x.shape for x in xs], [x.numel() for x in xs]  # not the inputs: they may die at the issue
     return _Flight(work, lambda flat: [piece.view(s) for piece, s in zip(flat.split(sizes), shapes)])
 

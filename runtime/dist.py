@@ -321,9 +321,8 @@ class GlooCommunicator(Communicator):
             return super().start(kind, t, group, **kw)
         op = kw.get("op", "sum")
         if kind == "all_reduce":
-            out = t.detach().clone(memory_format=torch.contiguous_format)
-            issue, finish = (lambda pg: dist.all_reduce(out, op=_OPS[op], group=pg, async_op=True)), (lambda: out)
-        elif kind == "all_gather":
+            return self._start_all_reduce(t.detach().clone(memory_format=torch.contiguous_format), group, op)
+        if kind == "all_gather":
             src = t.detach().contiguous()
             bufs = [torch.empty_like(src) for _ in group]
             issue, finish = (lambda pg: dist.all_gather(bufs, src, group=pg, async_op=True)), (lambda: torch.cat(bufs, dim=kw["dim"]))
@@ -336,6 +335,17 @@ class GlooCommunicator(Communicator):
         works = []
         self._run(kind, group, lambda pg: works.append(issue(pg)))
         return _Async(self, works[0], kind, tuple(group), finish)
+
+    def start_all_reduce_over(self, t, group, op="sum"):
+        """gloo reduces in place: a contiguous ``t`` is the result buffer (no copy, no allocation)."""
+        if len(group) == 1 or not t.is_contiguous():
+            return self.start("all_reduce", t, group, op=op)
+        return self._start_all_reduce(t.detach(), group, op)
+
+    def _start_all_reduce(self, out, group, op):
+        works = []
+        self._run("all_reduce", group, lambda pg: works.append(dist.all_reduce(out, op=_OPS[op], group=pg, async_op=True)))
+        return _Async(self, works[0], "all_reduce", tuple(group), lambda: out)
 
     def send(self, t, peer, tag=0, what="send"):
         src = t.detach().contiguous()

@@ -6,6 +6,7 @@ it communicates with here. Rank order puts the first axis outermost (row-major).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from sbpc.runtime.plan import mesh_coords
 
@@ -26,8 +27,9 @@ class Topology:
     def sbp_axes(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes if n != "pp")
 
-    @property
+    @cached_property
     def coords(self) -> dict[str, int]:
+        """Computed once: every collective kernel asks for its group (``group``) each step."""
         return mesh_coords(list(self.axes), self.rank)
 
     def size(self, axis: str) -> int:
@@ -44,8 +46,12 @@ class Topology:
 
     def group(self, axis: str) -> tuple[int, ...]:
         """The global ranks along ``axis`` through this rank, in axis order."""
+        return self._groups.get(axis, (self.rank,))  # an axis the mesh lacks has size 1
+
+    @cached_property
+    def _groups(self) -> dict[str, tuple[int, ...]]:
         here = self.coords
-        return tuple(self.rank_of({**here, axis: i}) for i in range(self.size(axis)))
+        return {a: tuple(self.rank_of({**here, a: i}) for i in range(n)) for a, n in self.axes}
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along ``axis``, each in axis order, sorted by first rank."""

@@ -120,9 +120,10 @@ def check_kernels(backend) -> int:
             return take_chunk(t, Split(dim, parts), j, n).contiguous()
 
         inputs = {"L": L, "p": partials[topo.rank], "x_s0": chunk(L, 0), "x_s1p2": chunk(L, 1, 2),
-                  "x_s0p3": chunk(L, 0, 3), "x_s1": chunk(L, 1)}
+                  "x_s0p3": chunk(L, 0, 3), "x_s1": chunk(L, 1), "dead": partials[topo.rank].clone()}
         cases = [  # (op, input, kwargs, expected)
             ("sbpc.all_reduce", "p", {}, total),
+            ("sbpc.all_reduce", "dead", {"overwrite": True}, total),  # reduced into its input: no buffer
             ("sbpc.all_reduce", "p", {"reduce": "max"}, biggest),
             ("sbpc.all_gather", "x_s0", {"dim": 0}, L),
             ("sbpc.all_gather", "x_s1p2", {"dim": 1, "parts": 2}, L),
@@ -145,7 +146,10 @@ def check_kernels(backend) -> int:
         program = Program(instructions, names, [f"o{k}" for k in range(len(cases))], backend, name="kernels")
         for (op, src, kw, want), got in zip(cases, program.run([inputs[k] for k in names])):
             torch.testing.assert_close(got, want, msg=lambda m: f"{op}({src}, axis={axis}, {kw}) on rank {topo.rank}: {m}")
+            if kw.get("overwrite"):
+                assert got.data_ptr() == inputs[src].data_ptr(), "gloo reduces an overwritable input in place"
             checked += 1
+        torch.testing.assert_close(inputs["p"], partials[topo.rank], rtol=0, atol=0)  # not overwritten
     return checked
 
 
@@ -221,11 +225,11 @@ def misbehave(payload):
 # --- tests -------------------------------------------------------------------------------
 
 def test_kernels_and_training_on_dp2_and_tp2():
-    assert launch(2, "test_dist:two_rank_checks", {"timeout": TIMEOUT}, timeout=TIMEOUT) == [30, 30]
+    assert launch(2, "test_dist:two_rank_checks", {"timeout": TIMEOUT}, timeout=TIMEOUT) == [32, 32]
 
 
 def test_kernels_gather_and_training_on_a_2x2_mesh():
-    assert launch(4, "test_dist:four_rank_checks", {"timeout": TIMEOUT}, timeout=TIMEOUT) == [39] * 4
+    assert launch(4, "test_dist:four_rank_checks", {"timeout": TIMEOUT}, timeout=TIMEOUT) == [41] * 4
 
 
 def test_a_rank_that_dies_ends_the_launch_naming_it():

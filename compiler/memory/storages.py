@@ -105,13 +105,14 @@ class Storages:
         """An issued collective's buffers, as the runtime holds them (runtime/collectives.py,
         runtime/dist.py): an all-reduce or reduce-scatter writes its result into a buffer made at
         the issue (the work's storage, which the wait's results then are, a bucket's pieces
-        included), the bucket's flat copy only while it is issued; an all-gather receives into
+        included: its flat copy, reduced in place), or into its input where the plan says
+        ``overwrite`` (the input dies there); an all-gather receives into
         buffers made at the issue and held until the wait, which joins them into its results."""
         if n.op == WAIT:
             work = n.args[0].name
             if work in flying:
                 for o in n.outputs:
-                    self.root[o] = work
+                    self.root[o] = self.root[work]
                 return
             for o in n.outputs:  # joined at the wait: storages of their own
                 self.root[o] = o
@@ -122,6 +123,10 @@ class Storages:
         on = n.memory == memory
         ins, outs = [value_bytes.get(u, 0) for u in n.uses()], [value_bytes[o] for o in w.outputs]
         staged = _staging(kind, n.kwargs, ins, outs, mesh) if on else 0
+        if n.kwargs.get("overwrite") and on:  # reduced into its dead input's storage: no buffer
+            self.root[work] = self.root[n.args[0].name]
+            flying.add(work)
+            return
         self.root[work] = work
         if kind in _RESULT_AT_ISSUE:
             flying.add(work)
@@ -150,8 +155,8 @@ def _staging(kind: Collective | None, kwargs: dict, in_bytes: list[int], out_byt
     if kind is None or (isinstance(axis, str) and mesh.size(axis) <= 1):
         return 0
     first = in_bytes[0] if in_bytes else 0
-    if kind in (Collective.ALL_REDUCE_COALESCED, Collective.REDUCE_SCATTER_COALESCED):
-        return sum(in_bytes)  # the flat copy of the bucket
+    if kind == Collective.REDUCE_SCATTER_COALESCED:
+        return sum(in_bytes)  # the flat copy of the bucket (an all-reduce's is reduced in place: its result)
     if kind == Collective.ALL_GATHER:
         return sum(out_bytes)
     if kind == Collective.ALL_GATHER_COALESCED:  # the flat shards, and the gathered flat buffer
