@@ -1,13 +1,12 @@
 """The compile driver: model file -> capture -> passes -> physical plan."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import time
 from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.frontend.capture import capture
+from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.lower import NEEDS as LOWER_NEEDS, lower
@@ -130,7 +129,7 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
     captures once and compiles on many meshes. ``memory.precision`` is the one it was captured in."""
     ctx = ctx or CompileContext()
     t0 = time.perf_counter()
-    with _no_cycle_collection():
+    with no_cycle_collection():
         if memory.recompute == Recompute.AUTO:
             memory = _least_recompute(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
         graph = _priced_run(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
@@ -139,24 +138,6 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
         plan = lower(graph, model, optimizer, ctx.estimates, precision_spec(memory.precision))
     timings["total"] = time.perf_counter() - t0
     return CompileResult(plan=plan, graph=graph, timings=timings)
-
-
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """Python's cyclic garbage collector off while the passes and lowering run. They allocate
-    millions of small objects (nodes, tuples, dicts: a 1T graph has ~35k nodes, remade by every
-    pass) that reference counting frees, but each allocation burst triggers collections that
-    walk every live object: on the 1T 6x8x64 compile they were ~10 of the ~22 CPU seconds
-    after capture; peak RSS grows ~0.1 GB (666 -> 772 MB). What cycles there are wait for the
-    next collection after the compile. The collector's previous state is restored (a nested
-    compile, such as the --device-memory advice's probes, leaves it off)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _priced_run(graph: Graph, passes, ctx: CompileContext, pipeline: PipelineOptions, memory: MemoryOptions,

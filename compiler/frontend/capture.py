@@ -10,7 +10,6 @@ chunk in ``Node.stage`` (a hint the stage-partition pass completes).
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import operator
 import re
@@ -22,6 +21,7 @@ from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preser
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.functionalize import functionalize
@@ -43,22 +43,7 @@ from sbpc.runtime.precision import autocast
 from sbpc.errors import CaptureError, ModelError, SbpcError
 
 
-@contextlib.contextmanager
-def _without_gc():
-    """Python's cyclic GC off during capture: building, tracing and importing a model makes
-    objects (fake tensors, fx nodes, IR nodes) by the hundred thousand and keeps most, and each
-    full collection scans them all again (a quarter of the capture's time at 1T). The cyclic
-    garbage capture leaves is collected after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@_without_gc()
+@no_cycle_collection()
 def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
             config: ParallelConfig | None = None, precision: PrecisionSpec = PrecisionSpec(),
             stamp: bool = True) -> Graph:
