@@ -114,8 +114,9 @@ def test_multi_device_compile_inspect_explain(tmp_path):
         CHECK: // 13 collective calls per step (14 tensors)
     """)
     ir = sbpc("inspect", str(plan)).stdout
-    # issued after the matmul, waited for at its first reader (passes/overlap.py)
-    assert re.search(r'= sbpc\.issue\(%addmm_1, kind="all_reduce", axis="tp", reduce="sum"\) : work\[\] \{role=fwd, stage=0, '
+    # issued after the matmul, waited for at its first reader (passes/overlap.py); the matmul's
+    # output dies at the issue, so the all-reduce reduces into it (overwrite)
+    assert re.search(r'= sbpc\.issue\(%addmm_1, kind="all_reduce", axis="tp", reduce="sum", overwrite=True\) : work\[\] \{role=fwd, stage=0, '
                      r'sbp=\[\[B, B\]\], sbp_in=\[\[B, P\]\], loc="h\.0\.attn\.c_proj"', ir), ir[:3000]
     why = sbpc("explain", str(plan), "h.0.attn.c_attn.weight").stdout
     filecheck(why, """
