@@ -235,8 +235,11 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], 
         mb = task.mb
         here = env[mb] if mb is not None else step_env
         step_once = step_env | accs  # as they stand before this task (a snapshot: both grow below)
-        once = lambda x: x in persistent_keys or x in step_once  # noqa: E731
-        key = lambda v: (store.root[v], None) if once((store.root[v], None)) else (store.root[v], mb)  # noqa: E731
+
+        def key(v: str) -> tuple:  # the storage key of v in this firing: once a step, or its micro-batch's
+            once = (store.root[v], None)
+            return once if once in persistent_keys or once in step_once else (once[0], mb)
+
         kept.join(here, {key(it.outs[0]) for it in body.recvs})
         # the runner posts the next task's receives from other stages before this one runs
         # (gloo irecv into a buffer of its own): they are live during it
