@@ -485,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(argv: list[str] | None) -> tuple[argparse.Namespace, int]:
+def _run(argv: list[str] | None, exits: bool = False) -> tuple[argparse.Namespace, int]:
+    """``exits``: the process ends after a ``quick_exit`` command (``console_main``)."""
     args = build_parser().parse_args(argv)
+    args.process_exits = exits and getattr(args, "quick_exit", False)
     return args, leave(guarded_main(lambda: args.fn(args), args.debug))
 
 
@@ -498,10 +500,12 @@ def console_main() -> None:
     """The ``sbpc`` console script. A command that only computes and writes files (compile,
     simulate, search, ...) ends with ``os._exit`` once its output is flushed: tearing down an
     interpreter that imported torch and built a large graph takes 0.5-1.5 s, a twentieth of a
-    1T compile's wall time, and frees nothing anyone needs. Commands that start ranks or
-    threads (run, train, check, launch) exit normally; ``main`` (what tests call) always does."""
-    args, code = _run(None)
-    if getattr(args, "quick_exit", False):
+    1T compile's wall time, and frees nothing anyone needs; for the same reason its compile
+    leaves the objects it made unwalked by the cyclic collector (``CompileContext.process_exits``,
+    ~1 s at 1T). Commands that start ranks or threads (run, train, check, launch) exit
+    normally; ``main`` (what tests call) always does."""
+    args, code = _run(None, exits=True)
+    if args.process_exits:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

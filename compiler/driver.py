@@ -37,16 +37,18 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
     """``enforce_budget``: refuse a plan that does not fit ``memory.device_memory`` (`sbpc
     memory` turns it off to print the table)."""
     mesh = mesh.with_microbatches(pipeline.microbatches)
+    ctx = ctx or CompileContext()
     # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
-    _manager(passes, ctx or CompileContext(), pipeline,
+    _manager(passes, ctx, pipeline,
              replace(memory, recompute=Recompute.NONE) if memory.recompute == Recompute.AUTO else memory,
              clip_grad=optimizer.clip_grad)
     t0 = time.perf_counter()
-    graph = capture(source, mesh, batch_size, optimizer, config, precision_spec(memory.precision))
-    result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, passes=passes,
-                              pipeline=pipeline, memory=memory)
-    result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
-    result.timings["total"] += result.timings["capture"]
+    with no_cycle_collection(collect_after=not ctx.process_exits):  # one pause: capture and passes nest in it
+        graph = capture(source, mesh, batch_size, optimizer, config, precision_spec(memory.precision))
+        result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx,
+                                  passes=passes, pipeline=pipeline, memory=memory)
+        result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
+        result.timings["total"] += result.timings["capture"]
     if enforce_budget and memory.device_memory is not None:
         _refuse_over_budget(result.plan.estimates.roles, graph, source, mesh, batch_size=batch_size,
                             optimizer=optimizer, config=config, pipeline=pipeline, memory=memory)

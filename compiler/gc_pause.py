@@ -13,13 +13,23 @@ import gc
 
 
 @contextlib.contextmanager
-def no_cycle_collection():
+def no_cycle_collection(collect_after: bool = True):
     """The collector off inside, its previous state restored after: a nested use (the
-    --device-memory advice's probe compiles, capture inside a compile) leaves it as it found it."""
+    --device-memory advice's probe compiles, capture inside a compile) leaves it as it found it.
+
+    Everything allocated inside is still in the collector's youngest generation, so the first
+    allocation after it is back on walks all of it (a 1T compile: ~1.1 M live objects, ~1 s).
+    ``collect_after=False`` (the process exits after the compile: ``CompileContext.process_exits``)
+    moves them into the oldest generation instead, in O(1) (``gc.freeze``, then ``gc.unfreeze``),
+    where only a full collection looks at them: their cycles are not collected before then, which
+    a process that compiles again would pay in memory (~30 MB per 1.3b compile)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
+            if not collect_after and gc.get_freeze_count() == 0:  # someone else's frozen objects stay frozen
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()

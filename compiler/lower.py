@@ -118,13 +118,18 @@ def _state_init(i) -> dict:
 
 
 def _instr(n: Node, free: list[str], spell: _Spelling) -> P.Instruction:
+    """Built without pydantic's validation (``model_construct``): every field is already of its
+    type here (the verified IR, ``encode_arg``, ``_Spelling``'s models), validating ~43k
+    instructions was half the 1T lowering, and ``load_plan`` validates the whole file. The
+    plan -> JSON -> plan round trip of every example checks it (``tests/test_roundtrip.py``)."""
     sbps = n.sbp or [()] * len(n.outputs)
-    return P.Instruction(op=n.op, args=[encode_arg(a) for a in n.args],
-                         kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
-                         outs=list(n.outputs), types=[spell.value_type(t, nd) for t, nd in zip(n.types, sbps)],
-                         free=free, role=n.role.value, stage=n.stage, loc=spell.loc(n.loc),
-                         sbp_in=[spell.sbp(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
-                         why=n.why, memory=n.memory)
+    return P.Instruction.model_construct(op=n.op, args=[encode_arg(a) for a in n.args],
+                                         kwargs={k: encode_arg(v) for k, v in n.kwargs.items()},
+                                         outs=list(n.outputs),
+                                         types=[spell.value_type(t, nd) for t, nd in zip(n.types, sbps)],
+                                         free=free, role=n.role.value, stage=n.stage, loc=spell.loc(n.loc),
+                                         sbp_in=[spell.sbp(nd) for nd in n.sbp_in] if n.sbp_in is not None else None,
+                                         why=n.why, memory=n.memory)
 
 
 def encode_arg(a):

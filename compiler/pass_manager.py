@@ -55,6 +55,9 @@ class CompileContext:
     # it more than once); contexts made with dataclasses.replace share the dict
     pass_seconds: dict[str, float] = field(default_factory=dict)
     allow_replicated: bool = False  # a mesh axis may split nothing (compiler/sbp/axis_use.py)
+    # the process ends right after this compile (`sbpc compile` from a shell, which leaves by
+    # os._exit): the objects it made are not walked for cycles after it (compiler/gc_pause.py)
+    process_exits: bool = False
 
 
 class PassManager:

@@ -209,14 +209,17 @@ class _Inserter:
 def _rename_positions(n: Node, new: list[str]) -> Node:
     """``n`` with its i-th tensor use renamed to ``new[i]`` (uses are in ``Node.uses`` order)."""
     it = iter(new)
-
-    def sub(a):
-        if isinstance(a, Ref):
-            return Ref(next(it))
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(x) for x in a)
-        return a
-
-    args = tuple(sub(a) for a in n.args)
-    kwargs = {k: sub(v) for k, v in n.kwargs.items()}
+    args = tuple(_next_refs(a, it) for a in n.args)
+    kwargs = {k: _next_refs(v, it) for k, v in n.kwargs.items()}
     return replace(n, args=args, kwargs=kwargs)
+
+
+def _next_refs(a, it):
+    """``a`` with each ``Ref`` (through lists and tuples) renamed to the next name of ``it``. A
+    module function, not a closure: a recursive closure is a reference cycle, left to the
+    cyclic collector (which the passes pause) with the names it holds."""
+    if isinstance(a, Ref):
+        return Ref(next(it))
+    if isinstance(a, (list, tuple)):
+        return type(a)(_next_refs(x, it) for x in a)
+    return a

@@ -71,7 +71,9 @@ class Schedule:
             in_flight=sim.in_flight, order=[[TaskRef(chunk=t.chunk, phase=t.phase, mb=t.mb, part=t.part) for t in dev]
                                             for dev in sim.order],
             replicas=_replicas(graph), bubble=round(sim.bubble(), 6))
-        return replace(graph, schedule=spec)
+        scheduled = replace(graph, schedule=spec)
+        scheduled._tasks = graph._tasks  # the same node and output lists: the same tasks (inplace asks first)
+        return scheduled
 
 
 def task_graph(graph: Graph) -> TaskGraph:

@@ -73,7 +73,8 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
     optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum,
                                 clip_grad=args.clip_grad)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
-                         dump_dir=args.dump_dir, allow_replicated=args.allow_replicated)
+                         dump_dir=args.dump_dir, allow_replicated=args.allow_replicated,
+                         process_exits=getattr(args, "process_exits", False))
     config = load_config(args.config) if args.config else None
     pipeline = pipeline_options(args, mesh, config)
     if args.batch_size is None:
