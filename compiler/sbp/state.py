@@ -245,7 +245,10 @@ class SolverState:
         made again in the backward instead, it costs its conversion once more and holds ``src``.
         A layout only the backward needs is made there, from ``src``, which is then held."""
         t, sizes = self.types[v], self.sizes
-        weight = self.in_flight.get(self.graph.nodes[self.producer[v]].stage, 1)
+        # the bytes held while the chunk holds its micro-batches in flight; priced once per
+        # micro-batch, like the conversions it weighs against (a price is a step's worth), so
+        # that MEMORY_PRICES mean what they did: link-moves per byte held
+        weight = self.in_flight.get(self.graph.nodes[self.producer[v]].stage, 1) * self.microbatches
         own = t.local_nbytes(src, sizes) if self.held[v] else 0  # a view: counted at its saved root
         shared = [x for x in back if x != src and x in forward]
         src_held = src in back or any(x != src and x not in forward for x in back)
