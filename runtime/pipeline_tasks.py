@@ -256,11 +256,15 @@ def fmt(t: Task) -> str:
 def _opt_parts(items: list[Item]) -> list[int]:
     """The part of every ``opt`` instruction (0 for the others), per item. As early as it can
     run: one more than the part of what a transfer into it carries, else the largest part among
-    the same chunk's ``opt`` values it reads. Then what is sent, or leaves the step unread,
-    stays there, and every other instruction moves as late as its readers allow (the smallest
-    part among them): a value made for a later part (an update's denominator, waiting for a
-    received step count) is made in that part, not held across the parts. Items are referred
-    to by their position in ``items`` (a plan's 1T program has ~35k of them)."""
+    the same chunk's ``opt`` values it reads. Then what is sent, what a sent value is computed
+    from, and what leaves the step unread stays there, and every other instruction moves as
+    late as its readers allow (the smallest part among them): a value made for a later part
+    (an update's denominator, waiting for a received step count) is made in that part, not held
+    across the parts. What other chunks wait for is never moved late: a sum over every stage's
+    gradients (fp16's non-finite count, a global norm) passes from chunk to chunk, and had each
+    chunk's own terms (a pass over all its gradients) moved into the part that receives the
+    running sum, the stages would do that work one after another. Items are referred to by
+    their position in ``items`` (a plan's 1T program has ~35k of them)."""
     at = {o: k for k, it in enumerate(items) for o in it.outs}
     # each opt instruction's opt-phase producers, found once for all rounds
     opt = [(k, it.op == TRANSFER, [at[u] for u in it.uses if u in at and items[at[u]].phase == "opt"])
@@ -278,11 +282,15 @@ def _opt_parts(items: list[Item]) -> list[int]:
     for k, it in enumerate(items):
         for u in it.uses:
             readers.setdefault(u, []).append(k)
+    feeds_send = [False] * len(items)  # an opt instruction a transfer's value is computed from, on its chunk
     for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
         it = items[k]
         if it.phase != "opt" or it.op == TRANSFER:
             continue
         rs = [r for o in it.outs for r in readers.get(o, [])]
+        feeds_send[k] = any(items[r].phase == "opt" and (items[r].op == TRANSFER or feeds_send[r]) for r in rs)
+        if feeds_send[k]:
+            continue
         if rs and all(items[r].phase == "opt" and items[r].chunk == it.chunk and items[r].op != TRANSFER for r in rs):
             part[k] = min(part[r] for r in rs)
     return part

@@ -101,6 +101,29 @@ def test_data_parallel_reduces_each_gradient_once():
     assert (count[0].kind, count[0].nbytes) in {("all_reduce", 4), ("all_gather", 16 * 128 // 2)}, others
 
 
+def test_gradient_accumulation_reduces_once_a_step():
+    """With micro-batches, the forward and backward run once per micro-batch and the gradient
+    reductions once a step (after the accumulation), and the cost model weighs them so: few
+    tokens per micro-batch and weights larger than the activations, yet 16 micro-batches make
+    DDP's plan (accumulate, then reduce each gradient once) the cheapest. Priced once per
+    micro-batch, the backward all-gathered activations over dp in every micro-batch instead
+    (148 collective calls a step against 21)."""
+    from sbpc.compiler.passes import PipelineOptions
+
+    cfg = load_model("examples/gpt.py", dict(hidden=512, heads=8, vocab=256, seq=16))
+    plan = compile_model(cfg, parse_mesh("2x1"), batch_size=32, optimizer=OptimizerConfig(),
+                         pipeline=PipelineOptions(microbatches=16)).plan
+    cs = _moving(plan)
+    assert not [c for c in cs if c.role == "bwd"], cs  # nothing crosses dp per micro-batch in the backward
+    assert all(c.nbytes == 4 for c in cs if c.role in ("pre", "fwd")), cs  # the token count, the loss
+    grads = [c for c in cs if c.role == "opt" and c.kind in ("all_reduce", "reduce_scatter")]
+    assert sum(c.nbytes for c in grads) >= sum(4 * _numel(p.shape) for p in plan.params)  # each gradient once
+    # the token count is summed over the micro-batches, then over dp, before any forward (the
+    # schedule's pre phase), and the mean loss is exact
+    _check("examples/gpt.py", "--mesh", "2x1", "--microbatches", "16", "--batch-size", "32",
+           "--set", "hidden=512", "--set", "heads=8", "--set", "vocab=256", "--set", "seq=16")
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

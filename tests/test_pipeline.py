@@ -267,3 +267,33 @@ def test_owned_accumulated_values():
              *(Item(6 + k, ACCUMULATE, (f"{v}_acc",), (v,), "opt", 0) for k, v in enumerate(["g", "v", "g3", "g4", "n"]))]
     graph = TaskGraph(items, ["g_acc", "v_acc", "g3_acc", "g4_acc", "n_acc"], 4)
     assert graph.owned == {"g", "n"}
+
+
+def test_update_parts_keep_a_running_sum_over_stages_scalar():
+    """A sum over every stage's gradients (fp16's non-finite count) passes from chunk to chunk in
+    the update. Each chunk's own terms (its pass over its gradients) run in the first part, so
+    the chain carries scalars only; a value only a later part reads (an update's denominator)
+    still moves into that part rather than being held across the parts."""
+    from sbpc.runtime.pipeline_tasks import TRANSFER, Item, _opt_parts
+
+    def op(i, name, outs, uses, chunk):
+        return Item(i, name, outs, uses, "opt", chunk)
+
+    items = [
+        op(0, "aten.mul.Tensor", ("u0",), ("g0", "inv"), 0), op(1, "aten.sum.default", ("c0",), ("u0",), 0),
+        Item(2, TRANSFER, ("r1",), ("c0",), "opt", 1, src=0),
+        op(3, "aten.mul.Tensor", ("u1",), ("g1", "inv"), 1), op(4, "aten.sum.default", ("c1",), ("u1",), 1),
+        op(5, "aten.add.Tensor", ("s1",), ("r1", "c1"), 1),
+        Item(6, TRANSFER, ("r2",), ("s1",), "opt", 2, src=1),
+        op(7, "aten.mul.Tensor", ("u2",), ("g2", "inv"), 2), op(8, "aten.sum.default", ("c2",), ("u2",), 2),
+        op(9, "aten.add.Tensor", ("s2",), ("r2", "c2"), 2), op(10, "aten.gt.Scalar", ("skip",), ("s2",), 2),
+        Item(11, TRANSFER, ("k0",), ("skip",), "opt", 0, src=2), Item(12, TRANSFER, ("k1",), ("skip",), "opt", 1, src=2),
+        op(13, "aten.sqrt.default", ("d1",), ("v1",), 1),  # the denominator: read by the update alone
+        op(14, "aten.where.self", ("p0n",), ("k0", "p0", "u0"), 0),
+        op(15, "aten.where.self", ("p1n",), ("k1", "p1", "u1", "d1"), 1),
+        op(16, "aten.where.self", ("p2n",), ("skip", "p2", "u2"), 2),
+    ]
+    part = dict(zip((it.outs[0] for it in items), _opt_parts(items)))
+    assert [part[v] for v in ("u0", "c0", "u1", "c1", "u2", "c2")] == [0] * 6  # each stage's own pass, at once
+    assert (part["r1"], part["s1"], part["r2"], part["s2"], part["k1"]) == (1, 1, 2, 2, 3)  # the chain: scalars
+    assert part["d1"] == part["p1n"] == 3  # made where it is read, not held from part 0

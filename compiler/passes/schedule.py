@@ -159,8 +159,7 @@ class _Cutter:
             if not self._is_mb_reduce(n):
                 continue
             x = n.args[0].name
-            early = not ancestors_bwd.get(x, False) and any(self.per_mb(o) for c in readers.get(n.outputs[0], [])
-                                                            for o in nodes[c].outputs)
+            early = not ancestors_bwd.get(x, False) and self._feeds_micro_batches(nodes, readers, n.outputs[0])
             if early:
                 for a in self._ancestors(nodes, x):
                     if nodes[a].role != Role.FORWARD:
@@ -217,6 +216,24 @@ class _Cutter:
                             location=str(culprit.loc) if culprit.loc else None,
                             hint=f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 "
                                  f"or add a rule for {culprit.op} (docs/sbp_rules.md)")
+
+    def _feeds_micro_batches(self, nodes: list[Node], readers: dict[str, list[int]], v: str) -> bool:
+        """Whether a per-micro-batch value is computed from ``v`` (a sum over the micro-batches)
+        through whole-step values only: directly (a mean loss's division by the token count) or
+        after more conversions of the sum (its all-reduce over dp, which then runs per
+        micro-batch too)."""
+        todo, seen = [v], {v}
+        while todo:
+            for c in readers.get(todo.pop(), []):
+                if nodes[c].role == Role.OPTIMIZER:
+                    continue
+                for o in nodes[c].outputs:
+                    if self.per_mb(o):
+                        return True
+                    if o not in seen:
+                        seen.add(o)
+                        todo.append(o)
+        return False
 
     def _reaches_backward(self, nodes: list[Node]) -> dict[str, bool]:
         out: dict[str, bool] = {}

@@ -89,24 +89,42 @@ SEQUENTIAL_STEPS = frozenset({Collective.ALL_REDUCE, Collective.SHARD_SLICE, Col
 
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
-                sequential: frozenset[int] = frozenset(), bucketed: frozenset[int] = frozenset()) -> float:
-    """Seconds the conversion takes under ``model``; infinite where no boxing exists (into
-    P(max)) or where it would exchange data between micro-batches (``sequential`` axes).
+                sequential: frozenset[int] = frozenset(), bucketed: frozenset[int] = frozenset(),
+                whole_runs: int | None = None) -> float:
+    """Seconds the conversion takes a step under ``model``; infinite where no boxing exists
+    (into P(max)) or where it would exchange data between micro-batches (``sequential`` axes).
     ``bucketed``: the axes on which ``t``'s reductions join a gradient bucket that is made
-    anyway (``model.bucketed``); on the others each is a call of its own."""
+    anyway (``model.bucketed``); on the others each is a call of its own.
+
+    How often each step runs (``schedule`` gives the micro-batch axis its meaning): a step on
+    the micro-batch axis is a pass of every micro-batch over its part (the accumulation of a
+    gradient: an add per micro-batch), not a collective; a step on a value that differs per
+    micro-batch (split or partial on that axis) runs once per micro-batch; on a value that is
+    whole for the step, once a step when it was just accumulated (the optimizer's phase), else
+    ``whole_runs`` times (once when only the optimizer reads it; by default once per
+    micro-batch, as the forward and backward read a parameter)."""
     try:
         steps = plan_boxing(src, dst, t, sizes, sequential)
     except CompileError:
         return float("inf")
+    m = 1
+    for a in sequential:
+        m *= sizes[a]
+    per_mb = lambda nd: any(not isinstance(nd[a], Broadcast) for a in sequential)
+    whole = m if whole_runs is None else whole_runs
+    if per_mb(src) and not per_mb(dst):
+        whole = 1  # accumulated over the micro-batches: the rest runs in the optimizer's phase
     cost, cur = 0.0, src
     for s in steps:
         if s.axis in sequential and s.kind not in SEQUENTIAL_STEPS:
             return float("inf")
         nbytes = t.local_nbytes(cur, sizes)
-        if s.axis in bucketed and s.axis not in sequential and s.kind in _BUCKETED:
-            cost += model.bucketed(s.kind, nbytes, sizes[s.axis])
+        if s.axis in sequential:
+            cost += sizes[s.axis] * model.compute(nbytes)
+        elif s.axis in bucketed and s.kind in _BUCKETED:
+            cost += (m if per_mb(cur) else whole) * model.bucketed(s.kind, nbytes, sizes[s.axis])
         else:
-            cost += model.collective(s.kind, nbytes, sizes[s.axis])
+            cost += (m if per_mb(cur) else whole) * model.collective(s.kind, nbytes, sizes[s.axis])
         cur = s.after
     return cost
 

@@ -139,7 +139,9 @@ def _hot_nodes(st: SolverState) -> list[int]:
     for v, reqs in st.searched_needs():
         src = st.sbp.get(v)
         for t in set(reqs.values()):
-            if t != src and st.box(src, t, st.types[v]) > st.model.collective(Collective.KEEP_FIRST, st.types[v].nbytes, 2):
+            step_read = v in st.index.step_read  # a copy as often as the conversion runs
+            copy = st.model.collective(Collective.KEEP_FIRST, st.types[v].nbytes, 2) * (1 if step_read else st.microbatches)
+            if t != src and st.box(src, t, st.types[v], step_read=step_read) > copy:
                 hot.update(st.cls.rep[k[0]] for k, tt in reqs.items() if tt == t and isinstance(k[0], int))
                 if v in st.producer:
                     hot.add(st.cls.rep[st.producer[v]])

@@ -288,7 +288,7 @@ class Solver:
             for pos, v in enumerate(st.uses[idx]):
                 have = st.needs(v)
                 if c.ins[pos] != st.sbp[v] and c.ins[pos] not in have:
-                    cost += self.greedy_box(st.sbp[v], c.ins[pos], st.types[v])
+                    cost += self.greedy_box(st.sbp[v], c.ins[pos], st.types[v], v in st.index.step_read)
             for j, o in enumerate(st.graph.nodes[idx].outputs):
                 cost += st.value_cost(o, c.outs[j], st.needs(o), st.back_needs(o))
             key = (round(cost, 12), partials(c), ci)
@@ -296,15 +296,15 @@ class Solver:
                 best, best_key = ci, key
         st.choose(st.cls.rep[idx], best)
 
-    def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType) -> float:
+    def greedy_box(self, src: NdSbp, dst: NdSbp, t: TensorType, step_read: bool = False) -> float:
         """How the first pass prices a conversion. It cannot see consumers yet, so it is
         pessimistic about partial values: it prices a reduce-scatter as the all-reduce its
         consumers will likely need. Refinement then prices everything exactly."""
         box = self.state.box
         via_b = tuple(Broadcast() if isinstance(d, Split) and isinstance(s, Partial) else d for s, d in zip(src, dst))
         if via_b != dst:
-            return box(src, via_b, t) + box(via_b, dst, t)
-        return box(src, dst, t)
+            return box(src, via_b, t, step_read=step_read) + box(via_b, dst, t, step_read=step_read)
+        return box(src, dst, t, step_read=step_read)
 
     def refine(self, busy: list[int], rounds: int) -> None:
         """Rounds of the refinement moves, axis by axis when several are ``busy``, until none

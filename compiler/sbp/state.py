@@ -56,6 +56,9 @@ class GraphIndex:
     reads: dict[str, list[tuple[int, int]]]  # value -> (op, position) of each use of it, in program order
     hyper: list[bool]  # per op: computed from hyperparameters alone (aten.hyper_only)
     bucketed: frozenset[str]  # the values that serve one gradient (gradient_tail)
+    # the optimizer's ops, which run once a step; every other op runs once per micro-batch
+    once: frozenset[int]
+    step_read: frozenset[str]  # the values only the optimizer reads (their conversions run once a step)
     # the layer-class weights solvers found (Solver._weigh), by what they depend on
     weighs: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -81,8 +84,10 @@ class GraphIndex:
                 root[o] = root.get(uses[i][0], uses[i][0]) if shares_storage(n.op) and uses[i] else o
         saved = {o: root[o] == o or root[o] not in read_back for n in graph.nodes if n.role == Role.FORWARD
                  for o in n.outputs if o in read_back}
+        once = frozenset(i for i, n in enumerate(graph.nodes) if n.role == Role.OPTIMIZER)
+        step_read = frozenset(v for v, cs in consumers.items() if once.issuperset(cs))
         return cls(uses, graph.producers(), consumers, at, backward, saved, reads, hyper_only(graph),
-                   gradient_tail(graph, consumers))
+                   gradient_tail(graph, consumers), once, step_read)
 
 
 @dataclass
@@ -115,6 +120,7 @@ class SolverState:
     # derived from the above (__post_init__); the index's maps are at hand for the hot loops
     axes: tuple[str, ...] = field(init=False)
     sequential: frozenset[int] = field(init=False)  # axes whose steps run one after another (micro-batches)
+    microbatches: int = field(init=False)  # how often a per-micro-batch op runs a step (1: no such axis searched)
     types: dict[str, TensorType] = field(init=False)
     uses: list[list[str]] = field(init=False)
     producer: dict[str, int] = field(init=False)
@@ -135,6 +141,9 @@ class SolverState:
     def __post_init__(self):
         self.axes = self.graph.mesh.sbp_axes
         self.sequential = self.graph.mesh.sequential_axes
+        self.microbatches = 1
+        for a in self.sequential:
+            self.microbatches *= self.sizes[a]
         self.types = self.layouts.types
         self.uses, self.producer, self.consumers, self.at = (self.index.uses, self.index.producer,
                                                              self.index.consumers, self.index.at)
@@ -175,13 +184,14 @@ class SolverState:
         return self.reqb.get(v, {}).keys()
 
     # ----- costs
-    def box(self, src: NdSbp, dst: NdSbp, t: TensorType, bucketed: bool = False) -> float:
-        """Converting a value of type ``t``; ``bucketed``: one that serves a single gradient,
-        whose reductions on ``bucket_axes`` join the buckets made there anyway."""
-        key = (src, dst, t, bucketed)
+    def box(self, src: NdSbp, dst: NdSbp, t: TensorType, bucketed: bool = False, step_read: bool = False) -> float:
+        """Converting a value of type ``t``, a step's worth (``boxing_cost``); ``bucketed``: one
+        that serves a single gradient, whose reductions on ``bucket_axes`` join the buckets made
+        there anyway; ``step_read``: one only the optimizer reads, converted once a step."""
+        key = (src, dst, t, bucketed, step_read)
         if key not in self._box:
             self._box[key] = boxing_cost(src, dst, t, self.sizes, self.model, self.sequential,
-                                         self.bucket_axes if bucketed else frozenset())
+                                         self.bucket_axes if bucketed else frozenset(), 1 if step_read else None)
         return self._box[key]
 
     def compute(self, idx: int, c: NdSignature) -> float:
@@ -194,6 +204,8 @@ class SolverState:
         n = self.graph.nodes[idx]
         ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
         price = self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
+        if idx not in self.index.once:  # the forward and the backward run once per micro-batch
+            price *= self.microbatches
         self._compute[(idx, id(c))] = (c, price)
         return price
 
@@ -218,7 +230,7 @@ class SolverState:
         found = self._prices.get(key)
         if found is not None and found[0] is src and found[1] is dst:
             return found[2]
-        price = self.box(src, dst, self.types[v], v in self.bucketed)
+        price = self.box(src, dst, self.types[v], v in self.bucketed, v in self.index.step_read)
         self._prices[key] = (src, dst, price)
         return price
 
@@ -233,7 +245,10 @@ class SolverState:
         made again in the backward instead, it costs its conversion once more and holds ``src``.
         A layout only the backward needs is made there, from ``src``, which is then held."""
         t, sizes = self.types[v], self.sizes
-        weight = self.in_flight.get(self.graph.nodes[self.producer[v]].stage, 1)
+        # the bytes held while the chunk holds its micro-batches in flight; priced once per
+        # micro-batch, like the conversions it weighs against (a price is a step's worth), so
+        # that MEMORY_PRICES mean what they did: link-moves per byte held
+        weight = self.in_flight.get(self.graph.nodes[self.producer[v]].stage, 1) * self.microbatches
         own = t.local_nbytes(src, sizes) if self.held[v] else 0  # a view: counted at its saved root
         shared = [x for x in back if x != src and x in forward]
         src_held = src in back or any(x != src and x not in forward for x in back)
