@@ -32,8 +32,9 @@ class Program:
         self.constants: list[Any] = []
         self.kernels: list[Callable] = []
         self._device = backend.device  # of the instruction being generated
+        self._same = _undone_transposes(instructions, outputs)
         ins_vars = ", ".join(self._var(n) for n in inputs)
-        body = [self._line(ins) for ins in instructions]
+        body = [self._line(k, ins) for k, ins in enumerate(instructions)]
         outs = ", ".join(self._use(n, "program output") for n in outputs)
         src = [f"def {name}(inputs, k, c):",
                f"    {ins_vars}{',' if len(inputs) == 1 else ''} = inputs" if inputs else "    pass",
@@ -51,7 +52,12 @@ class Program:
         except Exception as err:
             raise self._failure(err) from err
 
-    def _line(self, ins: Instruction) -> str:
+    def _line(self, k: int, ins: Instruction) -> str:
+        if k in self._same:  # a transpose undone: the same tensor, no call
+            src = self._use(self._same[k], "argument")
+            line = f"{self._var(ins.outs[0])} = {src}"
+            dead = [self._use(f, "free") for f in ins.free]
+            return f"    {line}" + (f"; del {', '.join(dead)}" if dead else "")
         kernel = self.backend.kernel(ins.op)
         # an OpOverload's __call__ is one Python frame around its C++ operator: call that directly
         self.kernels.append(getattr(kernel, "_op", kernel))
@@ -112,3 +118,55 @@ class Program:
         return RuntimeFailure(f"{ins.op} -> {outs} failed: {type(err).__name__}: {first}",
                               location=str(ins.loc) if ins.loc else None,
                               hint="run `sbpc check` on the model to compare it with eager PyTorch; use --debug for the trace")
+
+
+_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int"})
+
+
+def _swap(ins: Instruction) -> tuple[int, int] | None:
+    """The two dims a transpose swaps, from its result's rank (None for ``t`` of a 0-d or 1-d tensor, a no-op)."""
+    rank = len(ins.types[0].shape) if ins.types else None
+    if ins.op == "aten.t.default":
+        return (0, 1) if rank == 2 else None
+    if rank is None or len(ins.args) != 3 or not all(isinstance(a, int) for a in ins.args[1:]):
+        return (-1, -1)  # not understood: never matches
+    return tuple(sorted(a % rank for a in ins.args[1:]))
+
+
+def _undone_transposes(instructions: list[Instruction], outputs: list[str]) -> dict[int, str]:
+    """Instructions that need no kernel call, by index -> the value they are: ``t(t(x))`` and a
+    transpose of the same two dims' transpose give a view with ``x``'s sizes and strides, so the
+    line binds ``x`` itself (the backward's weight gradients are such pairs: 51 of the 376
+    instructions of a 4-layer GPT step). The inner transpose is skipped too where the outer one
+    is its only reader (it binds ``x`` and the outer binds that); otherwise ``x`` must still be
+    alive at the outer one (not freed before it)."""
+    made = {o: k for k, ins in enumerate(instructions) for o in ins.outs}
+    readers: dict[str, int] = {}
+    for ins in instructions:
+        for a in [*ins.args, *ins.kwargs.values()]:
+            for r in (a if isinstance(a, list) else [a]):
+                if isinstance(r, RefArg):
+                    readers[r.ref] = readers.get(r.ref, 0) + 1
+    for o in outputs:
+        readers[o] = readers.get(o, 0) + 1
+    freed = {f: k for k, ins in enumerate(instructions) for f in ins.free}
+    same: dict[int, str] = {}
+    for k, ins in enumerate(instructions):
+        if ins.op not in _TRANSPOSES or not ins.args or not isinstance(ins.args[0], RefArg) or len(ins.outs) != 1:
+            continue
+        inner_at = made.get(ins.args[0].ref)
+        if inner_at is None:
+            continue
+        inner = instructions[inner_at]
+        if inner.op not in _TRANSPOSES or not isinstance(inner.args[0], RefArg) or _swap(inner) != _swap(ins) \
+                or _swap(ins) in (None, (-1, -1)):
+            continue
+        if inner_at in same:  # a chain of three or more: only pairs are undone
+            continue
+        x = inner.args[0].ref
+        if readers.get(ins.args[0].ref) == 1:
+            same[inner_at] = x
+            same[k] = ins.args[0].ref
+        elif freed.get(x, len(instructions)) >= k:
+            same[k] = x
+    return same

@@ -119,3 +119,44 @@ def test_batches_need_the_model_file_recorded_in_the_plan(tmp_path):
     moved = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(tmp_path / "gone.py")})})
     with pytest.raises(ModelError, match=r"the plan's model file '.*gone\.py' is not here"):
         BatchSource(moved, 0)
+
+
+def _t(x: str, out: str, free=(), op="aten.t.default", args=()):
+    from sbpc.runtime.plan import Instruction, RefArg, ValueType
+
+    return Instruction(op=op, args=[RefArg(ref=x), *args], outs=[out], types=[ValueType(shape=[2, 3], dtype="float32")],
+                       free=list(free), role="bwd")
+
+
+def test_undone_transposes_bind_the_tensor_itself():
+    from sbpc.runtime.executor import _undone_transposes
+
+    # t(t(x)) where the inner t has no other reader: neither is a kernel call
+    assert _undone_transposes([_t("x", "a"), _t("a", "b", free=["a"])], ["b"]) == {0: "x", 1: "a"}
+    # the inner one is read elsewhere: it stays a call, the outer binds x (alive until the end)
+    assert _undone_transposes([_t("x", "a"), _t("a", "b"), _t("a", "c", free=["a"])], ["b", "c"]) == {1: "x", 2: "x"}
+    # ... but not where x is freed before the outer one
+    ins = [_t("x", "a", free=["x"]), _t("a", "b"), _t("a", "c", free=["a"])]
+    assert _undone_transposes(ins, ["b", "c"]) == {}
+    # transposes of the same two dims undo each other, of other dims do not; chains of three
+    # undo their first pair only
+    swap = [_t("x", "a", op="aten.transpose.int", args=[1, 0]), _t("a", "b", op="aten.transpose.int", args=[0, -1])]
+    assert _undone_transposes(swap, ["b"]) == {0: "x", 1: "a"}
+    assert _undone_transposes([_t("x", "a"), _t("a", "b"), _t("b", "c")], ["c"]) == {0: "x", 1: "a"}
+
+
+def test_a_step_with_transposes_undone_is_the_same_bit_for_bit(monkeypatch):
+    import sbpc.runtime.executor as executor
+
+    plan = compile_example("gpt.py")[0].plan
+    fast = Runner(plan, make_backend("cpu"), seed=0)
+    calls = sum("k[" in line for line in fast.program.source.splitlines())
+    monkeypatch.setattr(executor, "_undone_transposes", lambda *a: {})
+    slow = Runner(plan, make_backend("cpu"), seed=0)
+    assert calls < sum("k[" in line for line in slow.program.source.splitlines()) == len(plan.stages[0].instructions)
+    make = BatchSource(plan, 0)
+    for i in range(2):
+        a, b = fast.step(make(i), keep_grads=True), slow.step(make(i), keep_grads=True)
+        assert a.loss == b.loss and all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads)
+    assert all(torch.equal(fast.params[n], slow.params[n]) for n in fast.params)
+    assert all(torch.equal(fast.states[n], slow.states[n]) for n in fast.states)

@@ -102,7 +102,7 @@ class Overlap:
             out.append((wait_at[i], 2, replace(n, op=WAIT, args=(Ref(w),), kwargs={},
                                                sbp_in=nd_b if n.sbp_in else None)))
         out.sort(key=lambda t: (t[0], t[1]))
-        nodes = [n for _, _, n in out]
+        nodes = _work_under_issues([n for _, _, n in out], one_task)
         try:
             check_issue_order([(n.op, n.outputs, list(n.uses()), (n.stage, n.role), overwritten(n)) for n in nodes],
                               one_task=one_task)
@@ -138,6 +138,39 @@ def _sink_views(nodes: list[Node], one_task: bool) -> list[Node]:
         end = float(len(nodes) if one_task else _task_end(task, i))
         pos[i] = max(pos[i], min(first, end) - 1e-3 * (1 + 1e-3 * i))  # never up; before its reader
     return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: (pos[i], i))]
+
+
+def _work_under_issues(nodes: list[Node], one_task: bool) -> list[Node]:
+    """Move the work an issued all-reduce does not need from before its issue to right after it.
+
+    A tensor-parallel layer's backward makes the input gradient, all-reduces it, and meanwhile
+    has only that layer's own weight gradient to compute; the ops before it (the next layer's
+    weight gradient and bias sum, the head's) wait for nothing either, so they go under the
+    collective too. Taken, in order, from the stretch after the previous issue or wait (same
+    task): pure aten ops (no random draw, no in-place write) that the issued value is not
+    computed from, read by nothing that stays before the issue, reading no storage that
+    something staying before it overwrites. Gradient buckets (coalesced) are left where they
+    are: their issue already trails the backward op that makes their last gradient."""
+    root, _ = _storages(nodes)
+    pos = [float(i) for i in range(len(nodes))]
+    for k, n in enumerate(nodes):
+        if n.op != ISSUE or n.kwargs.get("kind") != Collective.ALL_REDUCE.value:
+            continue
+        task = (n.stage, n.role)
+        start = k
+        while start > 0 and nodes[start - 1].op not in (ISSUE, WAIT) and (nodes[start - 1].stage, nodes[start - 1].role) == task:
+            start -= 1
+        read_later: set[str] = set(n.uses())  # values read by what stays, from j + 1 to the issue
+        written_later: set[str] = set()  # storages overwritten by what stays there
+        for j in range(k - 1, start - 1, -1):
+            m = nodes[j]
+            if (m.op.startswith("aten.") and not is_random(m.op) and not is_mutating(m.op)
+                    and not set(m.outputs) & read_later and not {root[u] for u in m.uses()} & written_later):
+                pos[j] = k + 0.5 * (j - start + 1) / (k - start + 1)  # after the issue, in order, before k + 1
+                continue
+            read_later.update(m.uses())
+            written_later.update(root[v] for v in overwritten(m))
+    return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: pos[i])]
 
 
 def _hoist_batch_cones(nodes: list[Node], batch: set[str], one_task: bool) -> list[Node]:
