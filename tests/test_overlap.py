@@ -137,7 +137,7 @@ def test_only_what_serves_one_gradient_is_priced_as_a_bucket_member():
     the backward of every layer below, so it is a blocking call, never bucketed."""
     from sbpc.compiler.frontend.capture import capture
     from sbpc.compiler.ir.types import OutputKind, Role
-    from sbpc.compiler.sbp.state import gradient_tail
+    from sbpc.compiler.sbp.graph_index import gradient_tail
 
     graph = capture(load_model("examples/gpt.py", MID), parse_mesh("1"), 16, OptimizerConfig(), None)
     tail = gradient_tail(graph, graph.users())

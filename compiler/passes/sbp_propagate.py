@@ -30,7 +30,7 @@ from sbpc.compiler.sbp.layout import Layouts
 from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.compiler.sbp.rules.random_ops import reads_values
 from sbpc.compiler.sbp.solver import Solver
-from sbpc.compiler.sbp.state import GraphIndex
+from sbpc.compiler.sbp.graph_index import GraphIndex
 from sbpc.compiler.pipelining.schedule_sim import regsts
 from sbpc.runtime.kinds import ScheduleName
 from sbpc.runtime.sbp import Broadcast, Split

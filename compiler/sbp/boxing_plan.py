@@ -90,7 +90,7 @@ SEQUENTIAL_STEPS = frozenset({Collective.ALL_REDUCE, Collective.SHARD_SLICE, Col
 
 def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], model,
                 sequential: frozenset[int] = frozenset(), bucketed: frozenset[int] = frozenset(),
-                whole_runs: int | None = None) -> float:
+                microbatches: int = 1, step_read: bool = False) -> float:
     """Seconds the conversion takes a step under ``model``; infinite where no boxing exists
     (into P(max)) or where it would exchange data between micro-batches (``sequential`` axes).
     ``bucketed``: the axes on which ``t``'s reductions join a gradient bucket that is made
@@ -100,27 +100,24 @@ def boxing_cost(src: NdSbp, dst: NdSbp, t: TensorType, sizes: tuple[int, ...], m
     the micro-batch axis is a pass of every micro-batch over its part (the accumulation of a
     gradient: an add per micro-batch), not a collective; a step on a value that differs per
     micro-batch (split or partial on that axis) runs once per micro-batch; on a value that is
-    whole for the step, once a step when it was just accumulated (the optimizer's phase), else
-    ``whole_runs`` times (once when only the optimizer reads it; by default once per
-    micro-batch, as the forward and backward read a parameter)."""
+    whole for the step, once a step when it was just accumulated (the optimizer's phase) or
+    only the optimizer reads it (``step_read``), else once per micro-batch (the forward and
+    backward read a parameter). ``microbatches``: the micro-batch axis's size in this search."""
     try:
         steps = plan_boxing(src, dst, t, sizes, sequential)
     except CompileError:
         return float("inf")
-    m = 1
-    for a in sequential:
-        m *= sizes[a]
+    m = microbatches
     per_mb = lambda nd: any(not isinstance(nd[a], Broadcast) for a in sequential)
-    whole = m if whole_runs is None else whole_runs
-    if per_mb(src) and not per_mb(dst):
-        whole = 1  # accumulated over the micro-batches: the rest runs in the optimizer's phase
+    # accumulated over the micro-batches, the rest runs in the optimizer's phase
+    whole = 1 if step_read or (per_mb(src) and not per_mb(dst)) else m
     cost, cur = 0.0, src
     for s in steps:
         if s.axis in sequential and s.kind not in SEQUENTIAL_STEPS:
             return float("inf")
         nbytes = t.local_nbytes(cur, sizes)
         if s.axis in sequential:
-            cost += sizes[s.axis] * model.compute(nbytes)
+            cost += m * model.compute(nbytes)
         elif s.axis in bucketed and s.kind in _BUCKETED:
             cost += (m if per_mb(cur) else whole) * model.bucketed(s.kind, nbytes, sizes[s.axis])
         else:

@@ -15,7 +15,8 @@ from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
 from sbpc.compiler.sbp.layout import Layouts, NdSignature
 from sbpc.compiler.sbp.refine import partials, refine_cascades, refine_hoists, refine_ops, refine_values
-from sbpc.compiler.sbp.state import GraphIndex, SolverState
+from sbpc.compiler.sbp.graph_index import GraphIndex
+from sbpc.compiler.sbp.state import SolverState
 from sbpc.errors import CompileError
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_nd_sbp
 
