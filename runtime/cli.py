@@ -258,7 +258,7 @@ def train(args: argparse.Namespace, plan, communicator, out) -> dict:
     topology = communicator.topology if communicator is not None else None
     backend = make_backend(args.backend, communicator, topology)
     weights = load_weights(args.weights, plan) if args.weights else None
-    runner = make_runner(plan, backend, seed=args.seed, weights=weights)
+    runner = make_runner(plan, backend, seed=args.seed, weights=weights, timeline=bool(getattr(args, "trace", None)))
     weights = None
     seed, first, position = args.seed, 0, None
     if getattr(args, "resume", None):
@@ -299,7 +299,7 @@ def _write_trace(path: str, runner, backend, out) -> None:
     """Rank 0 writes every rank's firings (a gather: every rank calls this)."""
     from sbpc.runtime.trace import Span, write_trace
 
-    mine = [Span(backend.communicator.rank, f.task, f.start, f.end, f.step, f.stream) for f in runner.firings]
+    mine = [Span(backend.communicator.rank, f.task, f.start, f.end, f.step, f.stream) for f in runner.timeline.firings]
     parts = backend.communicator.gather_objects(mine, 0)
     if parts is None:
         return

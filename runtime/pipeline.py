@@ -19,7 +19,7 @@ from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, GRAD_NORM, Instruction, Plan, RefArg
-from sbpc.runtime.runner import Firing, LocalBatch, Runner, StepResult
+from sbpc.runtime.runner import LocalBatch, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
 from sbpc.runtime.sharding import take_chunk, unpad
 
@@ -95,8 +95,9 @@ def fifo_mismatch(plan: Plan) -> str | None:
 
 
 class PipelineRunner(Runner):
-    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
-        self._bind(plan, backend)
+    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None,
+                 timeline: bool = False):
+        self._bind(plan, backend, timeline)
         spec = plan.pipeline
         self.spec, self.m, self.p = spec, spec.microbatches, spec.stages
         self.stage = self.topology.index("pp")
@@ -116,7 +117,6 @@ class PipelineRunner(Runner):
         self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
                            for it in b.kernels + b.recvs + b.reads for o in it.outs}
         self._tags = {s.out: s.tag for ss in self.graph.sends.values() for s in ss}  # one per transfer
-        self.firings: list[Firing] = []
         self.steps = 0
         self._last_of_mb = self._last_tasks()
         self._stage_cache: dict[str, int] = {}
@@ -145,8 +145,7 @@ class PipelineRunner(Runner):
             sends += self._fire(task, nxt, envs, step_env, acc, owned, local, posted)
             if task.mb is not None and self._last_of_mb.get(task.mb) == task:
                 envs[task.mb] = {}  # the micro-batch's regst is free
-            self.firings.append(Firing(fmt(task), start, time.time(), self.steps))
-            self.firings += [Firing(name, a, b, self.steps, f"comm {axis}") for name, axis, a, b in self.backend.take_flights()]
+            self.timeline.record(lambda task=task: fmt(task), start, self.steps, self.backend)
         for s in sends:
             s.wait()
         self.steps += 1

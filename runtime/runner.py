@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,25 @@ class Firing:
     stream: str = "compute"  # "comm dp": a collective in flight on axis dp (issue to wait)
 
 
+class Timeline:
+    """The actor firings of a run, for ``--trace``. It records only when asked
+    (``make_runner(..., timeline=True)``): a training run of many steps would otherwise keep
+    every firing of every step (thousands a step under a pipeline schedule) until it ends."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self.firings: list[Firing] = []
+
+    def record(self, label: str | Callable[[], str], start: float, step: int, backend: Backend) -> None:
+        """One firing that began at ``start`` and ends now, with the collectives that completed
+        in it. The backend's list of those is emptied either way, so it cannot grow either."""
+        flights = backend.take_flights()
+        if not self.on:
+            return
+        self.firings.append(Firing(label if isinstance(label, str) else label(), start, time.time(), step))
+        self.firings += [Firing(name, a, b, step, f"comm {axis}") for name, axis, a, b in flights]
+
+
 @dataclass(frozen=True)
 class LocalBatch:
     """A batch already cut for this rank: each batch input as ``Runner.batch_part`` cuts it (a
@@ -63,8 +83,9 @@ class StepResult:
 class Runner:
     """Holds one rank's parameters, buffers and optimizer state, and steps the plan."""
 
-    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None):
-        self._bind(plan, backend)
+    def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None,
+                 timeline: bool = False):
+        self._bind(plan, backend, timeline)
         if len(plan.stages) != 1 or plan.pipeline is not None:
             raise RuntimeFailure(f"plan has {len(plan.stages)} pipeline stages; Runner runs one",
                                  hint="use runtime.pipeline.PipelineRunner (make_runner picks it)")
@@ -81,10 +102,9 @@ class Runner:
         self.grad_sbp = {p.name: self._value_sbp(types.get(p.grad), fallback=p) for p in plan.params}
         self._load(weights, seed, {p.name for p in plan.params}, {b.name for b in plan.buffers},
                    {s.name for s in plan.states})
-        self.firings: list[Firing] = []
         self.steps = 0
 
-    def _bind(self, plan: Plan, backend: Backend) -> None:
+    def _bind(self, plan: Plan, backend: Backend, timeline: bool) -> None:
         check_issue_order(plan)  # an edited plan whose waits would hang fails here, on every rank
         if plan.world_size != backend.communicator.world_size:
             raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
@@ -94,6 +114,7 @@ class Runner:
             raise RuntimeFailure(f"plan's mesh {dict(axes)} is not the backend's mesh {dict(backend.topology.axes)}",
                                  hint="build the communicator with runtime.dist.init_distributed(plan, ...)")
         self.plan, self.backend = plan, backend
+        self.timeline = Timeline(timeline)
         self.topology = backend.topology
         self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
@@ -187,8 +208,7 @@ class Runner:
                *(b.to(self.backend.device) for b in parts), *hyper.values()]
         start = time.time()
         loss, *rest = self.program.run(env)
-        self.firings.append(Firing("step", start, time.time(), self.steps))
-        self.firings += [Firing(name, a, b, self.steps, f"comm {axis}") for name, axis, a, b in self.backend.take_flights()]
+        self.timeline.record("step", start, self.steps, self.backend)
         self.steps += 1
         n = len(self.plan.params)
         grads = {name: unpad(self.gather(g, self.grad_sbp[name]), self.logical_shape[name])

@@ -21,6 +21,26 @@ def test_training_reduces_the_loss():
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])  # Runner, and PipelineRunner (accumulation)
+def test_the_timeline_records_only_when_asked(microbatches):
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime.runner import make_runner
+
+    _, source, _ = compile_example("mlp.py")
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig(),
+                         pipeline=PipelineOptions(microbatches=microbatches)).plan
+    batch = BatchSource(plan, 0)(0)
+    quiet, traced = (make_runner(plan, make_backend("cpu"), seed=0, timeline=on) for on in (False, True))
+    for _ in range(3):
+        quiet.step(batch), traced.step(batch)
+    assert quiet.timeline.firings == [] and quiet.backend.flights == []  # a long run keeps nothing
+    steps = [f.step for f in traced.timeline.firings]
+    assert sorted(set(steps)) == [0, 1, 2] and steps.count(0) == steps.count(2) >= microbatches
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_weights_round_trip_and_resume(tmp_path, suffix):
     result, _, _ = compile_example("gpt.py")
