@@ -174,7 +174,7 @@ def _manager(passes, ctx: CompileContext, pipeline: PipelineOptions, memory: Mem
     """The pass manager of ``passes`` (default: the whole pipeline, the propagation pricing
     memory at ``memory_price``), its contracts checked, lowering's included."""
     passes = passes if passes is not None else default_pipeline(pipeline, memory.recompute, memory.zero, memory.offload,
-                                                                memory_price, clip_grad)
+                                                                memory_price, clip_grad, ctx.cost_model)
     manager = PassManager(passes, ctx)
     manager.require("lower", LOWER_NEEDS)
     return manager

@@ -14,13 +14,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterable, Protocol, TextIO
+from typing import TYPE_CHECKING, ClassVar, Iterable, Protocol, TextIO
 
 from sbpc.compiler.ir.printer import print_graph
 from sbpc.compiler.ir.types import Graph
 from sbpc.compiler.ir.verify import verify
 from sbpc.errors import CompileError, IRError, OutputError, PassBug, UsageError
 from sbpc.runtime.files import write_atomic
+
+if TYPE_CHECKING:
+    from sbpc.compiler.sbp.cost_model import CostModel
 
 
 class Fact(enum.Enum):
@@ -58,6 +61,9 @@ class CompileContext:
     # the process ends right after this compile (`sbpc compile` from a shell, which leaves by
     # os._exit): the objects it made are not walked for cycles after it (compiler/gc_pause.py)
     process_exits: bool = False
+    # what the passes plan with (propagation, the schedule's transfers): None is AlphaBeta;
+    # `sbpc compile --cluster` gives the cluster's ClusterCost (compiler/sbp/cost_model.py)
+    cost_model: CostModel | None = None
 
 
 class PassManager:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from sbpc.runtime.kinds import Recompute as RecomputeMode, ScheduleName
 
 from sbpc.compiler.passes.boxing import Boxing
-from sbpc.compiler.sbp.cost_model import AlphaBeta
+from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.passes.coalesce import Coalesce
 from sbpc.compiler.passes.clip_grad import ClipGrad
 from sbpc.compiler.passes.cse import CommonSubexpressionElimination
@@ -40,7 +40,8 @@ class PipelineOptions:
 
 
 def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,
-                     zero: int = 0, offload: str = "none", memory_price: float = 0.0, clip_grad: float | None = None):
+                     zero: int = 0, offload: str = "none", memory_price: float = 0.0, clip_grad: float | None = None,
+                     cost_model: CostModel | None = None):
     """The passes `sbpc compile` runs, in order. ZeRO (hints on the dp axis) runs before the
     stage partition places its hints, and after offload, so the master copies it adds are split
     like the rest of the optimizer state. ``memory_price``: the propagation's price of a byte kept
@@ -51,11 +52,13 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     held from issue to wait. ``clip_grad`` (--clip-grad): clip-grad runs on the propagated graph,
     in the layouts the update reads, so clipping changes no other choice. fuse-log-softmax runs on
     the boxed graph: a log-softmax whose class dim propagation left whole goes back to the fused
-    kernel decompose had split it out of."""
+    kernel decompose had split it out of. ``cost_model``: what propagation and the schedule's
+    transfer choice price with (None: ``AlphaBeta``; ``sbpc compile --cluster``: ``ClusterCost``)."""
     v = pipeline.virtual_stages
+    cost = cost_model or AlphaBeta()
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
-            SbpPropagate(cost_model=AlphaBeta().priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
+            SbpPropagate(cost_model=cost.priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
             ClipGrad(max_norm=clip_grad), Boxing(), FuseLogSoftmax(), Coalesce(),
-            Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v),
+            Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v, cost_model=cost),
             FuseAdamW(), InPlace(), Overlap(), MemoryPlan()]

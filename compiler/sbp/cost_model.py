@@ -14,19 +14,21 @@ the price is the policy, the solver only adds ``memory(bytes)`` to what it minim
 
 ``ClusterCost`` is the model of a described cluster (FLOPs and bytes per op over the device's
 peaks, collectives over the links the rank map puts each group on); ``sbpc simulate`` runs
-plans over it (compiler/tools/simulate.py, docs/cost_model.md).
+plans over it (compiler/tools/simulate.py, docs/cost_model.md), and ``sbpc compile --cluster``
+plans with it.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from sbpc.runtime.kinds import Collective
 
 if TYPE_CHECKING:
-    from sbpc.compiler.sbp.op_work import Kernel
+    from sbpc.compiler.sbp.op_work import Kernel, Operand
     from sbpc.compiler.tools.cluster import AxisGroups, Cluster
 
 
@@ -36,6 +38,9 @@ class CostModel(Protocol):
 
     def compute(self, nbytes: int) -> float:
         """An op that reads and writes ``nbytes`` on each device."""
+
+    def op(self, op: str, ins: Sequence["Operand"], outs: Sequence["Operand"], dtype: str) -> float:
+        """The kernels of ``op`` on each device, given its local tensor inputs and outputs."""
 
     def transfer(self, nbytes: int) -> float:
         """A send/recv of ``nbytes`` between pipeline stages (matching ranks)."""
@@ -85,6 +90,9 @@ class AlphaBeta:
 
     def compute(self, nbytes: int) -> float:
         return self.gamma * nbytes
+
+    def op(self, op: str, ins: Sequence["Operand"], outs: Sequence["Operand"], dtype: str) -> float:
+        return self.compute(sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs))  # bytes touched, views too
 
     def transfer(self, nbytes: int) -> float:
         return self.launch + self.alpha + nbytes * self.stage_beta
@@ -208,6 +216,16 @@ class ClusterCost:
 
     def compute(self, nbytes: int) -> float:
         return nbytes / (self.cluster.device.memory_bandwidth * self.cluster.efficiency.memory)
+
+    def op(self, op: str, ins: Sequence["Operand"], outs: Sequence["Operand"], dtype: str) -> float:
+        from sbpc.compiler.sbp.op_work import op_work
+
+        return sum(self.kernel(k, dtype) for k in op_work(op, ins, outs))
+
+    def priced(self, links: float) -> "ClusterCost":
+        """This model with a byte held priced as ``links`` moves of it over the intra-node link
+        (``AlphaBeta.priced``'s ladder, on this cluster's link)."""
+        return replace(self, memory_price=links / self._link(inter=False)[0])
 
     def transfer(self, nbytes: int) -> float:
         return self.point_to_point(nbytes)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sbpc.compiler.ir.types import Graph, TensorType
+from sbpc.compiler.ir.types import Graph, TensorType, dtype_size
 from sbpc.compiler.sbp.boxing_plan import boxing_cost
 from sbpc.compiler.sbp.graph_index import GraphIndex, Use
 from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
 from sbpc.compiler.sbp.layout import Layouts, NdSignature
-from sbpc.runtime.sbp import NdSbp
+from sbpc.compiler.sbp.op_work import Operand
+from sbpc.runtime.sbp import NdSbp, local_shape
 
 _NONE: dict = {}  # an empty mapping to look things up in; never written
 
@@ -152,8 +153,10 @@ class SolverState:
         if found is not None and found[0] is c:
             return found[1]
         n = self.graph.nodes[idx]
-        ts = [self.types[u] for u in self.uses[idx]] + list(n.types)
-        price = self.model.compute(sum(t.local_nbytes(nd, self.sizes) for t, nd in zip(ts, c.ins + c.outs)))
+        ins = [Operand(local_shape(t.shape, nd, self.sizes), dtype_size(t.dtype))
+               for t, nd in zip((self.types[u] for u in self.uses[idx]), c.ins)]
+        outs = [Operand(local_shape(t.shape, nd, self.sizes), dtype_size(t.dtype)) for t, nd in zip(n.types, c.outs)]
+        price = self.model.op(n.op, ins, outs, n.types[0].dtype if n.types else "f32")
         if idx not in self.index.once:  # the forward and the backward run once per micro-batch
             price *= self.microbatches
         self._compute[(idx, id(c))] = (c, price)

@@ -31,6 +31,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-replicated", action="store_true",
                    help="accept a mesh axis on which no tensor is split (its devices all do the same work)")
     p.add_argument("--config", help="parallel config (TOML): parameter and module globs -> SBP per mesh axis")
+    p.add_argument("--cluster", metavar="NAME|FILE",
+                   help="plan with this cluster's cost model (FLOPs and bytes per op, its links; a preset: "
+                        "dgx-a100-80g, dgx-h100, h200, or a cluster TOML file) instead of the default "
+                        "bytes-touched AlphaBeta model (docs/cost_model.md)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp, or the config's)")
     p.add_argument("--schedule", choices=[s.value for s in ScheduleName], help="pipeline schedule (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, help="chunks per pp stage for the interleaved schedule (default 1, "
@@ -74,7 +78,7 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
                                 clip_grad=args.clip_grad)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
                          dump_dir=args.dump_dir, allow_replicated=args.allow_replicated,
-                         process_exits=getattr(args, "process_exits", False))
+                         process_exits=getattr(args, "process_exits", False), cost_model=_cluster_cost(args, mesh))
     config = load_config(args.config) if args.config else None
     pipeline = pipeline_options(args, mesh, config)
     if args.batch_size is None:
@@ -88,6 +92,16 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
     if getattr(args, "time_passes", False):
         print(pass_time_table(result.timings, ctx.pass_seconds), file=sys.stderr)
     return result, source, optimizer
+
+
+def _cluster_cost(args: argparse.Namespace, mesh):
+    """``--cluster``: the cluster's cost model for ``mesh`` (None without the flag)."""
+    if getattr(args, "cluster", None) is None:
+        return None
+    from sbpc.compiler.sbp.cost_model import ClusterCost
+    from sbpc.compiler.tools.cluster import load_cluster
+
+    return ClusterCost(load_cluster(args.cluster), mesh.device_axes)
 
 
 def pass_time_table(timings: dict[str, float], pass_seconds: dict[str, float]) -> str:
