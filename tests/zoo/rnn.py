@@ -24,6 +24,6 @@ def build_model(vocab=128, hidden=32, layers=2, **kw):
     return RecurrentLM(int(vocab), int(hidden), int(layers))
 
 
-def example_batch(batch_size, vocab=128, seq=8, **kw):
+def example_batch(batch_size, vocab=128, seq=5, **kw):
     ids = torch.randint(0, int(vocab), (batch_size, int(seq)))
     return ids, torch.roll(ids, -1, dims=1)
