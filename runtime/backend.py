@@ -8,7 +8,7 @@ pieces, without touching the executor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -274,6 +274,18 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
             if d is not t:
                 t.copy_(d)
     return [*params, *exp_avgs, *exp_avg_sqs]
+
+
+@lru_cache(maxsize=None)
+def returns_list(op: str) -> bool:
+    """The kernel returns a list of tensors (``unbind``, ``split``, ``_foreach_*``): a plan names
+    each element, and a list of one element is still a list to unpack."""
+    overload = torch_op(op)
+    if overload is None:
+        return False
+    schema = overload._schema
+    returns = schema.returns or (schema.arguments[:1] if schema.is_mutable else [])  # _foreach_*_ returns its first list
+    return op in OVERWRITTEN_LISTS or (len(returns) == 1 and isinstance(returns[0].type, torch.ListType))
 
 
 def torch_op(op: str):

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from sbpc.errors import RuntimeFailure
-from sbpc.runtime.backend import Backend
+from sbpc.runtime.backend import Backend, returns_list
 from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.plan import DTypeArg, FloatArg, Instruction, RefArg, SymArg
 
@@ -70,7 +70,8 @@ class Program:
             args.append(f"generator={self._const(self.generator)}")
         call = f"k[{len(self.kernels) - 1}]({', '.join(args)})"
         outs = [self._var(o) for o in ins.outs]
-        target = (outs[0] if len(outs) == 1 else ", ".join(outs) + ",") if outs else ""
+        listed = len(outs) > 1 or returns_list(ins.op)  # a list of one tensor is unpacked too
+        target = (", ".join(outs) + "," if listed else outs[0]) if outs else ""
         line = f"{target} = {call}" if target else call
         dead = [self._use(f, "free") for f in ins.free]
         return f"    {line}" + (f"; del {', '.join(dead)}" if dead else "")

@@ -182,3 +182,18 @@ def test_cse_shares_the_optimizer_bias_correction():
     ops = [i.op for i in result.plan.stages[0].instructions]
     assert ops.count("aten.pow.Scalar") == 2  # beta1**t and beta2**t, once for all 29 parameters
     assert len(result.plan.params) == 29
+
+
+def test_normalize_makes_new_factories_plain():
+    """``x.new_zeros(size)`` reads nothing of ``x`` but its dtype: as a plain factory its layout
+    is free (a batch ``x`` is not gathered over micro-batches for it)."""
+    from sbpc.compiler.ir.printer import format_node
+    from sbpc.compiler.passes.normalize import Normalize
+
+    g = graph("""  %z = aten.new_zeros.default(%x, [3, 4], pin_memory=False) : f32[3, 4] {role=fwd}
+  %f = aten.new_full.default(%x, [2], 7, dtype=i64) : i64[2] {role=fwd}
+  %l = aten.sum.default(%z) : f32[] {role=fwd}
+  output loss %l "loss\"""")
+    z, f = [format_node(n) for n in Normalize().apply(g, None).nodes[:2]]
+    assert z.startswith("%z = aten.zeros.default([3, 4], pin_memory=False, dtype=f32, device=#device)"), z
+    assert f.startswith("%f = aten.full.default([2], 7, dtype=i64, device=#device)"), f

@@ -180,3 +180,18 @@ def test_a_step_with_transposes_undone_is_the_same_bit_for_bit(monkeypatch):
         assert a.loss == b.loss and all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads)
     assert all(torch.equal(fast.params[n], slow.params[n]) for n in fast.params)
     assert all(torch.equal(fast.states[n], slow.states[n]) for n in fast.states)
+
+
+def test_a_list_result_of_one_tensor_is_unpacked():
+    """unbind of a size-1 dim (a one-layer GRU's initial state) and split into one piece return
+    a list of one tensor: the plan's one result is that tensor, not the list."""
+    from sbpc.runtime.executor import Program
+    from sbpc.runtime.plan import Instruction, RefArg, ValueType
+
+    f32 = lambda *shape: ValueType(shape=list(shape), dtype="float32")
+    ins = [Instruction(op="aten.unbind.int", args=[RefArg(ref="x")], outs=["h"], types=[f32(2, 3)], role="fwd"),
+           Instruction(op="aten.split.Tensor", args=[RefArg(ref="h"), 3, 1], outs=["p"], types=[f32(2, 3)], role="fwd"),
+           Instruction(op="aten.mul.Tensor", args=[RefArg(ref="p"), 2.0], outs=["y"], types=[f32(2, 3)], role="fwd")]
+    x = torch.randn(1, 2, 3)
+    (y,) = Program(ins, ["x"], ["y"], make_backend("cpu")).run([x])
+    assert torch.equal(y, x[0] * 2)

@@ -3,7 +3,8 @@ compiled with no config file (the cost model chooses every layout) and checked a
 PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
 Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
-LM), and a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``. Llama also runs with its
+LM), T5 (encoder-decoder; its decoder input is filled in place), a decoder made of PyTorch's own
+``nn.TransformerEncoderLayer``, and a recurrent model of ``nn.LSTM`` and ``nn.GRU``. Llama also runs with its
 shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ ZOO = {
     "opt": "tests/zoo/opt.py",
     "bert": "tests/zoo/bert.py",
     "torch_decoder": "tests/zoo/torch_decoder.py",
+    "t5": "tests/zoo/t5.py",
+    "rnn": "tests/zoo/rnn.py",
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4

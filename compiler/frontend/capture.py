@@ -84,7 +84,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     inputs += [loss_scale.scale_input()] * len(scale)
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
         imported.nodes = _stage_hints(graph, imported.nodes, config)
-    nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
+    nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs},
+                                   frozenset(names[o] for o in imported.outputs if o is not None))
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
         to_hint = {n.args[0].name: n.outputs[0] for n in hinted}
@@ -206,7 +207,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
-        with _module_paths(model), fx_traceback.preserve_node_meta(), \
+        with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()):
             try:
                 gm = make_fx(joint, tracing_mode="real", record_stack_traces=True)(
@@ -240,6 +241,19 @@ def _forward_location(model: torch.nn.Module) -> str | None:
         return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         return None
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    """oneDNN off while tracing: an LSTM then traces as its cell's ATen ops (as a GRU always
+    does), which every backend runs and SBP can split, not as the CPU-only fused
+    ``mkldnn_rnn_layer`` (eager's kernel: the two agree to float rounding)."""
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 
 @contextlib.contextmanager

@@ -4,6 +4,9 @@
   become ``sbpc.attention`` / ``sbpc.attention_backward``, which each backend maps to its own
   kernel (flash-for-cpu on cpu; flash or memory-efficient on cuda).
 - ``detach`` and ``alias`` are identities once autograd is gone: uses are rewired to the input.
+- ``x.new_zeros(size)`` (``new_ones``, ``new_full``, ``new_empty``) becomes ``zeros(size,
+  dtype=x's)``: ``x`` gives only a dtype and a device, and as an operand it would tie the new
+  tensor's layout to its own (a batch ``x`` gathered over micro-batches for a fresh tensor).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.ir.types import Graph, Node, rename_uses
+from sbpc.compiler.ir.types import DType, Graph, Node, Sym, TensorType, rename_uses
 
 # (captured op, neutral op, positional parameter names after the tensors' defaults)
 _ATTENTION = {
@@ -19,6 +22,8 @@ _ATTENTION = {
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": ("sbpc.attention_backward", 6),
 }
 _IDENTITY = {"aten.detach.default", "aten.alias.default"}
+_FACTORY_OF = {"aten.new_zeros.default": "aten.zeros.default", "aten.new_ones.default": "aten.ones.default",
+               "aten.new_full.default": "aten.full.default", "aten.new_empty.default": "aten.empty.memory_format"}
 
 
 @dataclass
@@ -30,6 +35,7 @@ class Normalize:
     def apply(self, graph: Graph, ctx) -> Graph:
         rename: dict[str, str] = {}
         nodes: list[Node] = []
+        types: dict[str, TensorType] = {}  # made at the first new_* op: most graphs have none
         for n in graph.nodes:
             if any(u in rename for u in n.uses()):  # a copy only where a use changes: most nodes keep theirs
                 n = rename_uses(n, lambda v: rename.get(v, v))
@@ -39,6 +45,9 @@ class Normalize:
                 continue
             if n.op in _ATTENTION:
                 n = _neutral_attention(n)
+            if n.op in _FACTORY_OF:
+                types = types or graph.value_types()
+                n = _plain_factory(n, types)
             nodes.append(n)
         outputs = [replace(o, value=rename.get(o.value, o.value)) for o in graph.outputs]
         return replace(graph, nodes=nodes, outputs=outputs)
@@ -51,3 +60,10 @@ def _neutral_attention(n: Node) -> Node:
     is_causal = bool(args[ntensors + 1])
     kwargs = {"attn_mask": n.kwargs.get("attn_mask"), "scale": n.kwargs.get("scale")}
     return replace(n, op=op, args=tuple(args[:ntensors]) + (dropout_p, is_causal), kwargs=kwargs)
+
+
+def _plain_factory(n: Node, types: dict[str, TensorType]) -> Node:
+    """``new_zeros(x, size, dtype=None, ...)`` -> ``zeros(size, dtype=<x's dtype>, device=#device, ...)``."""
+    dtype = n.kwargs.get("dtype") or DType(types[n.args[0].name].dtype)
+    return replace(n, op=_FACTORY_OF[n.op], args=tuple(n.args[1:]),
+                   kwargs={**n.kwargs, "dtype": dtype, "device": Sym("device")})
