@@ -3,7 +3,7 @@ compiled with no config file (the cost model chooses every layout) and checked a
 PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
 Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
-LM), and a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``. Llama also runs with its
+LM), Bloom (ALiBi), and a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``. Llama also runs with its
 shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ ZOO = {
     "opt": "tests/zoo/opt.py",
     "bert": "tests/zoo/bert.py",
     "torch_decoder": "tests/zoo/torch_decoder.py",
+    "bloom": "tests/zoo/bloom.py",
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4
