@@ -74,6 +74,14 @@ def test_zoo_compiles(model, mesh):
     plan = _compile(model, mesh)
     assert plan.world_size == parse_mesh(mesh).world_size
     assert len(plan.stages) == parse_mesh(mesh).size("pp")
+    # data parallelism splits the work: every op that reads a batch input takes it as dp split
+    # it, and nothing gathers or re-splits it (Bloom's alibi once made dp re-split it by sequence)
+    dp = [a.name for a in plan.mesh if a.name != "pp"].index("dp")
+    batch = {b.value for b in plan.batch}
+    readers = [(i.op, i.sbp_in[p][dp]) for s in plan.stages for i in s.instructions
+               for p, a in enumerate(a for a in i.args if hasattr(a, "ref")) if a.ref in batch]
+    assert readers and all(sbp == "S(0)" for _, sbp in readers), readers
+    assert not [c for c in collectives(plan) if c.value in batch and c.moves_data]
 
 
 # ----- parity with eager PyTorch, every rank a thread of this process (runtime/threads.py)
