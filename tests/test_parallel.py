@@ -188,3 +188,35 @@ def test_propagation_is_deterministic():
     a = _plan("examples/gpt.py", "2x2", "examples/gpt.megatron.toml")
     b = _plan("examples/gpt.py", "2x2", "examples/gpt.megatron.toml")
     assert a.model_dump_json() == b.model_dump_json()
+
+
+@pytest.mark.parametrize("mesh,microbatches", [("2x1", 1), ("1", 2), ("2x1x2", 2)])
+def test_alibi_batch_splits_over_dp_and_micro_batches(mesh, microbatches):
+    """Bloom's ALiBi (tests/models/alibi_attention.py): per-head slopes of constants repeated
+    over the batch into ``[b*h, 1, t]`` meet the scores of the batch and heads folded into one
+    dim. The repeat's output dim splits two ways (its copies: the batch, plainly; each copy: the
+    heads, strided), and its strided block count was fixed on the whole class of dims joined to
+    the batch, so no op could take the batch as dp split it: dp re-split it by sequence (an
+    all-to-all of the input, the attention whole) and micro-batches were refused (a gather of
+    the batch). Now the plan is plain data parallelism in space and in time."""
+    from sbpc.compiler.passes import PipelineOptions
+
+    plan = compile_model(load_model("tests/models/alibi_attention.py", {}), parse_mesh(mesh), batch_size=4,
+                         optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=microbatches)).plan
+    dp = [a.name for a in plan.mesh if a.name != "pp"].index("dp")
+    split = "S(0)" if parse_mesh(mesh).size("dp") > 1 else "B"
+    batch = {b.value for b in plan.batch}
+    assert all(b.sbp[dp] == split and b.microbatch == ("S(0)" if microbatches > 1 else None) for b in plan.batch)
+    ins = [i for s in plan.stages for i in s.instructions]
+    # every reader of a batch input takes it as it arrives, and nothing converts it
+    readers = [(i.op, i.sbp_in[p]) for i in ins for p, a in enumerate(a for a in i.args if hasattr(a, "ref"))
+               if a.ref in batch]
+    assert readers and all(sbp[dp] == split for _, sbp in readers), readers
+    assert not [c for c in _moving(plan) if c.value in batch], _moving(plan)
+    # the attention runs on the batch's shard: the alibi's repeat and the scores split by batch
+    for op in ("aten.repeat.default", "aten.baddbmm.default"):
+        [sbp] = {tuple(i.types[0].sbp) for i in ins if i.op == op and i.role == "fwd"}
+        assert sbp[dp] == split, (op, sbp)
+    # plain data parallelism: nothing crosses dp in the backward (stages send their gradients)
+    assert not [c for c in _moving(plan) if c.role == "bwd" and c.axis != "pp"], _moving(plan)
+    _check("tests/models/alibi_attention.py", "--mesh", mesh, "--microbatches", str(microbatches))

@@ -316,8 +316,8 @@ def test_view_splits_an_inner_dim_of_a_folded_group(book):
                for o in rep.outcomes) >= 20
 
 
-def _run_view_nd(book, inst, ins, outs, sizes) -> torch.Tensor:
-    """The logical output of a view run on a 2-D mesh with these nd-SBPs (rank order: the last axis inner)."""
+def _run_nd(book, inst, ins, outs, sizes) -> torch.Tensor:
+    """The logical output of a one-input op (a view, a repeat) run on a 2-D mesh with these nd-SBPs (rank order: the last axis inner)."""
     [local] = book.localize(inst.node, [ins], [outs], sizes, ("dp", "tp"))
     shards = []
     for c0 in range(sizes[0]):
@@ -348,13 +348,52 @@ def test_view_nd_signatures_nest_exactly(book):
             if not all(divides(sh, nd, sizes) for sh, nd in zip(shapes, (ins, outs))):
                 continue
             exact = book.nd_exact(inst.node, shapes[:1], (ins,), (outs,), sizes)
-            same = torch.equal(_run_view_nd(book, inst, ins, outs, sizes), inst.outs[0])
+            same = torch.equal(_run_nd(book, inst, ins, outs, sizes), inst.outs[0])
             assert exact <= same, f"{inst.node.op} {ins} -> {outs} is kept but wrong"
             kept += exact
             refused += [] if exact else [(inst, ins, outs, same)]
         assert kept >= 4, (inst.node.op, kept)
     bad = [(ins, outs, same) for inst, ins, outs, same in refused if inst is fold]
     assert ((Split(0), Split(1)), (Split(0), Split(0, 4)), False) in bad
+    assert not all(same for *_, same in refused)
+
+
+def test_repeat_nd_signatures_hold_exactly(book):
+    """A repeated dim splits two ways: its copies (the input whole, each device repeating r/k
+    times: a batch folded in front of Bloom's alibi heads) or each copy (the input split: the
+    heads). The layout analysis offers either block count on that dim, so every count is tried
+    here on a 2x2 mesh with the input whole or split, and the nd check keeps exactly the
+    combinations that compute the logical result: ``B -> S(0:4)`` of a 4-fold repeat over 2
+    devices is refused (each block is one copy, not whole copies per device)."""
+    import itertools
+
+    sizes = (2, 2)
+    g = torch.Generator().manual_seed(3)
+    cases = [synth("aten.repeat.default", torch.randn(4, 1, 6, generator=g), [4, 1, 1]),
+             synth("aten.repeat.default", torch.randn(4, 6, generator=g), [4, 1, 1]),
+             synth("aten.repeat.default", torch.randn(2, 6, generator=g), [2, 4])]
+    refused = []
+    for inst in cases:
+        out = inst.node.types[0].shape
+        one = [(s.ins[0], s.outs[0]) for s in book.signatures(inst.node, inst.in_types, 2)
+               if not any(isinstance(x, Partial) for x in s.ins + s.outs)]
+        one += [(B, Split(d, c)) for d in range(len(out)) for c in (1, 2, 4) if out[d] % (2 * c) == 0]
+        kept = 0
+        for (i0, o0), (i1, o1) in itertools.product(dict.fromkeys(one), repeat=2):
+            ins, outs = (i0, i1), (o0, o1)
+            shapes = [inst.in_types[0].shape, out]
+            if not all(divides(sh, nd, sizes) for sh, nd in zip(shapes, (ins, outs))):
+                continue
+            exact = book.nd_exact(inst.node, shapes[:1], (ins,), (outs,), sizes)
+            same = torch.equal(_run_nd(book, inst, ins, outs, sizes), inst.outs[0])
+            assert exact <= same, f"{inst.node.types} {ins} -> {outs} is kept but wrong"
+            kept += exact
+            refused += [] if exact else [(inst, ins, outs, same)]
+        assert kept >= 6, (inst.node.types, kept)
+    alibi = [(ins, outs, same) for inst, ins, outs, same in refused if inst is cases[0]]
+    assert ((B, B), (Split(0, 4), B), False) in alibi
+    assert book.nd_exact(cases[0].node, [(4, 1, 6)], ((B, B),), ((Split(0), B),), sizes)  # the batch's split
+    assert book.nd_exact(cases[0].node, [(4, 1, 6)], ((Split(0), B),), ((Split(0, 4), B),), sizes)  # the heads'
     assert not all(same for *_, same in refused)
 
 

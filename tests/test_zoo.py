@@ -3,8 +3,9 @@ compiled with no config file (the cost model chooses every layout) and checked a
 PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
 Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
-LM), T5 (encoder-decoder; its decoder input is filled in place), a decoder made of PyTorch's own
-``nn.TransformerEncoderLayer``, and a recurrent model of ``nn.LSTM`` and ``nn.GRU``. Llama also runs with its
+LM), T5 (encoder-decoder; its decoder input is filled in place), Bloom (ALiBi), a decoder made of
+PyTorch's own ``nn.TransformerEncoderLayer``, and a recurrent model of ``nn.LSTM`` and ``nn.GRU``.
+Llama also runs with its
 shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ ZOO = {
     "torch_decoder": "tests/zoo/torch_decoder.py",
     "t5": "tests/zoo/t5.py",
     "rnn": "tests/zoo/rnn.py",
+    "bloom": "tests/zoo/bloom.py",
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4
@@ -76,6 +78,14 @@ def test_zoo_compiles(model, mesh):
     plan = _compile(model, mesh)
     assert plan.world_size == parse_mesh(mesh).world_size
     assert len(plan.stages) == parse_mesh(mesh).size("pp")
+    # data parallelism splits the work: every op that reads a batch input takes it as dp split
+    # it, and nothing gathers or re-splits it (Bloom's alibi once made dp re-split it by sequence)
+    dp = [a.name for a in plan.mesh if a.name != "pp"].index("dp")
+    batch = {b.value for b in plan.batch}
+    readers = [(i.op, i.sbp_in[p][dp]) for s in plan.stages for i in s.instructions
+               for p, a in enumerate(a for a in i.args if hasattr(a, "ref")) if a.ref in batch]
+    assert readers and all(sbp == "S(0)" for _, sbp in readers), readers
+    assert not [c for c in collectives(plan) if c.value in batch and c.moves_data]
 
 
 # ----- parity with eager PyTorch, every rank a thread of this process (runtime/threads.py)

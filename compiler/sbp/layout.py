@@ -124,8 +124,10 @@ class Layouts:
                 if a != b:
                     uf[b] = a
             # a view's strided split follows the shapes (an inner dim of a folded group), and
-            # the same dim may also split plainly: it offers a block count, it does not fix one
-            weak = self.rules.view_like(n.op)
+            # the same dim may also split plainly: it offers a block count, it does not fix one.
+            # So does a repeat's (each copy split, or the copies: a batch folded in front of
+            # Bloom's alibi heads); fixed, its count took the plain split from the whole batch
+            weak = self.rules.strides_optional(n.op)
             for p, d, parts in wants:
                 (options if weak else demands).append(((names[p], d), parts))
         # demands resolve against the final classes

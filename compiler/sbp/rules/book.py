@@ -237,9 +237,11 @@ class RuleBook:
                 return None
         return Signature(ins, outs, cand.note)
 
-    def view_like(self, op: str) -> bool:
-        """Whether ``op``'s signatures map splits by the shapes (a view): its strided splits
-        are options the layout analysis offers, not block counts it fixes."""
+    def strides_optional(self, op: str) -> bool:
+        """Whether ``op``'s strided splits are options the layout analysis offers, not block
+        counts it fixes: its families map splits by the shapes and check every nd-signature
+        (a view: the same dim may split plainly or inside a folded group; a repeat: the copies
+        split, or each copy)."""
         rule = self.rule(op)
         return rule is not None and rule.family in ND_CHECKS
 

@@ -43,7 +43,32 @@ def _repeat_loc(lc, self, repeats):
     lc.set[repeats.value] = reps
 
 
-@family("repeat", _repeat_loc)
+def repeat_nd(in_shapes, out_shapes, ins, outs, sizes) -> bool:
+    """Whether a repeat with these nd-SBPs is exact. Axes apply in order, each on the shard the
+    earlier ones left, which holds ``t`` copies of the input (r at first). An input ``S(d:q)``
+    takes ``S(D:t*q)``; with the input whole along d, each device keeps ``t/k`` whole copies,
+    which is ``S(D:c)`` only where each of the c blocks splits into whole copies (c*k divides t).
+    So the output dim takes either layout (the copies split, as a batch folded in front of the
+    heads is: plain; or each copy split: strided), and the layout analysis may offer either
+    block count: both are checked here."""
+    a, b = in_shapes[0], out_shapes[0]
+    off = len(b) - len(a)
+    times = [b[D] // a[D - off] if D >= off and a[D - off] else b[D] for D in range(len(b))]
+    for si, so, k in zip(ins[0], outs[0], sizes):
+        if k == 1 or not isinstance(so, Split):
+            continue
+        t = times[so.dim]
+        if isinstance(si, Split) and si.dim == so.dim - off:
+            if so.parts != t * si.parts:
+                return False
+        elif t % (so.parts * k):
+            return False
+        else:
+            times[so.dim] = t // k
+    return True
+
+
+@family("repeat", _repeat_loc, repeat_nd)
 def repeat(c, self, repeats):
     """A dim repeated r times is r blocks of the input: an input ``S(d:q)`` gives ``S(d:r*q)``;
     with the input ``B``, an output split over k devices (k dividing r) repeats r/k times each."""
