@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
+from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -85,6 +86,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
         imported.nodes = _stage_hints(graph, imported.nodes, config)
     nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
+    nodes, buffer_writes = functionalize_buffer_writes(nodes, inputs)
+    _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
         to_hint = {n.args[0].name: n.outputs[0] for n in hinted}
@@ -110,6 +113,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
     if found is not None:
         loss_scale.append_skip(precision.loss_scaling, found, inputs, nodes, outputs)
+    # after the skip: eager's forward updated the running statistics even when fp16 skips the step
+    outputs += [GraphOutput(OutputKind.UPDATE, v, name) for name, v in buffer_writes.items()]
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
@@ -154,6 +159,19 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
             raise ModelError(f"forward() updates {i.kind.value} {i.name!r} in place ({n.op})", location=str(n.loc) if n.loc else None,
                              hint="state updated during forward (e.g. BatchNorm running stats) is not supported yet; "
                                   "use LayerNorm, or call .eval() on that module in build_model")
+
+
+def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
+    """Each micro-batch's forward would update the buffer in turn, a dependency from one
+    micro-batch's forward to the next that the schedule does not model (docs/training.md)."""
+    if not writes or mesh.microbatches == 1:
+        return
+    name, value = next(iter(writes.items()))
+    loc = next((n.loc for n in nodes if value in n.outputs), None)
+    raise ModelError(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is not supported "
+                     f"with {mesh.microbatches} micro-batches yet", location=str(loc) if loc else None,
+                     hint="compile with --microbatches 1 (a pipeline then runs one micro-batch a step), "
+                          "or call .eval() on that module in build_model")
 
 
 def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
