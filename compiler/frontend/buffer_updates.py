@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.ir.aten import functional_variant
+from sbpc.compiler.ir.aten import functional_variant, shares_storage
 from sbpc.compiler.ir.types import GraphInput, InputKind, Node, Ref, rename_uses
+from sbpc.errors import ModelError
 
 BATCH_NORM = "aten.native_batch_norm.default"
 BATCH_NORM_FUNCTIONAL = "aten._native_batch_norm_legit_functional.default"
@@ -37,15 +38,25 @@ def functionalize_buffer_writes(nodes: list[Node], inputs: list[GraphInput]) -> 
     type_of = {i.value: i.type for i in inputs if i.kind == InputKind.BUFFER}
     current: dict[str, str] = {}  # buffer input value -> its latest value
     new_value: dict[str, str] = {}
+    views: dict[str, list[str]] = {}  # a buffer's latest value -> the views taken of it
+    last_read = {v: k for k, n in enumerate(nodes) for v in n.uses()}
     out = []
-    for n in nodes:
+    for k, n in enumerate(nodes):
         n = rename_uses(n, lambda v: current.get(v, v))
-        written = _rewrite(n, {current.get(v, v): v for v in buffer_of}, type_of)
+        latest = {current.get(v, v): v for v in buffer_of}
+        if n.args and isinstance(n.args[0], Ref) and n.args[0].name in latest and shares_storage(n.op):
+            views.setdefault(n.args[0].name, []).extend(n.outputs)
+        written = _rewrite(n, latest, type_of)
         if written is None:
             out.append(n)
             continue
         n, writes = written
         for original, value in writes:
+            old = current.get(original, original)
+            if any(last_read.get(v, -1) > k for v in views.get(old, ())):
+                raise ModelError(f"forward() reads a view of buffer {buffer_of[original]!r} after updating the buffer "
+                                 f"in place ({nodes[k].op})", location=str(n.loc) if n.loc else None,
+                                 hint="take the view after the update, or write the buffer out of place")
             current[original] = value
             new_value[buffer_of[original]] = value
         out.append(n)

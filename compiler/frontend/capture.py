@@ -33,7 +33,7 @@ from sbpc.compiler.frontend.repeated_layers import Repeated, find_repeated
 from sbpc.compiler.frontend.stamp import NotStampable, Stamper
 from sbpc.compiler.frontend.stamp_expand import expand
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
-from sbpc.compiler.ir.aten import is_mutating
+from sbpc.compiler.ir.aten import is_mutating, shares_storage
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
@@ -85,8 +85,11 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     inputs += [loss_scale.scale_input()] * len(scale)
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
         imported.nodes = _stage_hints(graph, imported.nodes, config)
-    nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs})
-    nodes, buffer_writes = functionalize_buffer_writes(nodes, inputs)
+    # buffer writes first: ``buf.mul_(m).add_(x)`` writes the buffer twice, the second time
+    # through the alias mul_ returns, which functionalize would take for a private temporary
+    nodes, buffer_writes = functionalize_buffer_writes(imported.nodes, inputs)
+    nodes, renamed = functionalize(nodes, {i.value for i in inputs})
+    buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
     _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
@@ -151,14 +154,25 @@ def _fx_producer(by_name: dict, outputs: list[str]):
 
 
 def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
+    """What ``functionalize_buffer_writes`` left in place on an input, or on a view of one, is
+    refused here with the user's line."""
     by_value = {i.value: i for i in inputs}
+    view_of: dict[str, GraphInput] = {}  # a view's value -> the input whose storage it shares
     for n in nodes:
         target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
-        if target in by_value and is_mutating(n.op):
-            i = by_value[target]
-            raise ModelError(f"forward() updates {i.kind.value} {i.name!r} in place ({n.op})", location=str(n.loc) if n.loc else None,
-                             hint="state updated during forward (e.g. BatchNorm running stats) is not supported yet; "
-                                  "use LayerNorm, or call .eval() on that module in build_model")
+        whole = by_value.get(target)
+        i = whole or view_of.get(target)
+        if i is not None and is_mutating(n.op):
+            how = "in place" if whole else "through a view"
+            hint = ("state updated during forward is supported for buffers written whole, in place or out of place "
+                    "(BatchNorm running stats, buf.mul_(m).add_(x), buf.copy_(new)), not for parameters; "
+                    "call .eval() on that module in build_model" if whole else
+                    "writing part of a buffer is not supported; write the whole buffer "
+                    "(buf.copy_(torch.cat([...])) or buf.mul_(mask))")
+            raise ModelError(f"forward() updates {i.kind.value} {i.name!r} {how} ({n.op})",
+                             location=str(n.loc) if n.loc else None, hint=hint)
+        if i is not None and shares_storage(n.op):
+            view_of.update((o, i) for o in n.outputs)
 
 
 def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
