@@ -12,9 +12,6 @@ same value with ops that have SBP rules:
   never gathered); where propagation leaves the class dim whole, ``fuse-log-softmax`` puts the
   fused kernel back;
 - ``_log_softmax_backward_data(g, y, d)`` = ``g - exp(y) * sum(g, d)``;
-- training-mode batch norm and its backward (``decompose_batch_norm.py``): per-channel sums
-  over the batch, so a dp-split batch stays split and only those sums are all-reduced
-  (SyncBatchNorm's communication, the whole batch's statistics);
 - ``nll_loss_forward`` with ``reduction=mean`` = the ``sum`` reduction divided by the total
   weight, and its backward likewise: with the batch split, the sum and the weight count are
   partial, so the mean is exact even when ignored targets are spread unevenly. Without class
@@ -27,7 +24,6 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.passes import decompose_batch_norm as bn
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
 
@@ -135,6 +131,4 @@ _REWRITES = {
     "aten._log_softmax_backward_data.default": _log_softmax_backward,
     "aten.nll_loss_forward.default": _nll_loss_forward,
     "aten.nll_loss_backward.default": _nll_loss_backward,
-    bn.FORWARD: lambda n, fresh, types: bn.batch_norm_forward(n, fresh, types, _like),
-    bn.BACKWARD: lambda n, fresh, types: bn.batch_norm_backward(n, fresh, types, _like),
 }
