@@ -20,6 +20,7 @@ from sbpc.errors import ModelError
 TOL = 1e-5
 RESNET = "tests/models/resnet_bn.py"
 MLP = "tests/models/mlp_bn.py"
+READS = "tests/models/bn_reads_running_mean.py"
 
 
 def _plan(model: str, mesh: str, microbatches: int = 1):
@@ -37,7 +38,8 @@ def test_capture_makes_each_running_statistic_an_update_of_its_buffer():
 
 
 @pytest.mark.parametrize("model,mesh", [(RESNET, "2x2"), (RESNET, "2x1"), (RESNET, "1x2"), (MLP, "2x2"),
-                                        (RESNET, "1x1x2"), (RESNET, "2x1x2"), (MLP, "1x1x2")])
+                                        (MLP, "2x1"), (READS, "2x1"), (RESNET, "1x1x2"), (RESNET, "2x1x2"),
+                                        (MLP, "1x1x2")])
 def test_buffers_match_eager_after_every_step(model, mesh):
     plan = _plan(model, mesh)
     assert plan.written_buffers
@@ -73,6 +75,17 @@ def test_the_runner_carries_the_running_statistics_from_step_to_step():
     assert int(got["bn.num_batches_tracked"]) == 3
     for name, ref in eager.named_buffers():  # eager ran free here: three forwards from the same parameters
         assert torch.allclose(got[name].float(), ref.float(), rtol=1e-5, atol=1e-6), name
+
+
+def test_a_buffer_read_on_another_pipeline_chunk_than_its_update_is_refused(tmp_path):
+    from sbpc.compiler.frontend.hints import load_config
+
+    config = tmp_path / "stages.toml"
+    config.write_text('[stages]\n"fc1" = 0\n"fc2" = 1\n"bn" = 1\n"fc3" = 1\n')
+    with pytest.raises(ModelError, match="buffer 'bn.running_mean' is updated by the forward on pipeline chunk 1 "
+                                         "but also read on chunk 0"):
+        compile_model(load_model(READS), parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(),
+                      pipeline=PipelineOptions(microbatches=1), config=load_config(str(config)))
 
 
 def test_buffer_writes_are_refused_with_micro_batches():

@@ -220,9 +220,12 @@ class Eager:
         self.norms: list[float] = []  # clip_grad_norm_'s total norm of each step it clipped
         self.precision = precision
         self.scaler = LossScaler(precision.loss_scaling) if precision.loss_scaling else None
+        self.buffers_before: dict[str, torch.Tensor] = {}
 
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
+        # the buffers the forward starts from (it may update them): the float64 twin starts there too
+        self.buffers_before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
 
     def on_device(self, batch):
@@ -235,6 +238,9 @@ class Eager:
         try:
             twin = copy.deepcopy(self.model).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
+            with torch.no_grad():
+                for name, b in twin.named_buffers():
+                    b.copy_(self.buffers_before[name])
             loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
@@ -362,10 +368,13 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
         # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
-        for name, ref in eager.model.named_buffers():
-            got = new_buffers.get(name)
-            row.update.update(name if got is not None else f"{name} (the plan returned none)",
-                              deviation(got, ref, max(amax(ref), 1e-30)) if got is not None else float("inf"))
+        eager_buffers = dict(eager.model.named_buffers())
+        for name, got in new_buffers.items():
+            ref = eager_buffers[name]
+            row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
+        for b in plan.written_buffers:
+            if b.name not in new_buffers:
+                row.update.update(f"{b.name} (the plan returned none)", float("inf"))
         row.loss_eager = float(loss)
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         finite = _finite(refs.values())
