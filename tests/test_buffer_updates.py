@@ -119,3 +119,18 @@ def example_batch(batch_size):
 """)
     with pytest.raises(ModelError, match="reads a view of buffer 'seen' after updating the buffer"):
         capture(load_model(str(model)), parse_mesh("1"), 4, OptimizerConfig())
+
+
+def test_channels_split_on_tp_keep_the_running_statistics_exact(tmp_path):
+    """The batch norm rule splits the channel dim with every per-channel tensor: the stem's
+    output channels split on tp (a hint), its BatchNorm's weight and bias with them."""
+    from sbpc.compiler.frontend.hints import load_config
+
+    config = tmp_path / "tp.toml"
+    config.write_text('[params]\n"stem.weight" = { tp = "S(0)" }\n"bn.weight" = { tp = "S(0)" }\n'
+                      '"bn.bias" = { tp = "S(0)" }\n')
+    plan = compile_model(load_model(RESNET), parse_mesh("2x2"), batch_size=8, optimizer=OptimizerConfig(),
+                         config=load_config(str(config))).plan
+    assert {p.name: p.sbp for p in plan.params}["bn.weight"][-1] == "S(0)"
+    report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed, report.table()
