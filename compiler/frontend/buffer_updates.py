@@ -37,13 +37,14 @@ def functionalize_buffer_writes(nodes: list[Node], inputs: list[GraphInput]) -> 
     buffer_of = {i.value: i.name for i in inputs if i.kind == InputKind.BUFFER}
     type_of = {i.value: i.type for i in inputs if i.kind == InputKind.BUFFER}
     current: dict[str, str] = {}  # buffer input value -> its latest value
+    latest = {v: v for v in buffer_of}  # and back: a buffer's latest value -> its input value
     new_value: dict[str, str] = {}
     views: dict[str, list[str]] = {}  # a buffer's latest value -> the views taken of it
     last_read = {v: k for k, n in enumerate(nodes) for v in n.uses()}
     out = []
     for k, n in enumerate(nodes):
-        n = rename_uses(n, lambda v: current.get(v, v))
-        latest = {current.get(v, v): v for v in buffer_of}
+        if current:
+            n = rename_uses(n, lambda v: current.get(v, v))
         if n.args and isinstance(n.args[0], Ref) and n.args[0].name in latest and shares_storage(n.op):
             views.setdefault(n.args[0].name, []).extend(n.outputs)
         written = _rewrite(n, latest, type_of)
@@ -57,7 +58,8 @@ def functionalize_buffer_writes(nodes: list[Node], inputs: list[GraphInput]) -> 
                 raise ModelError(f"forward() reads a view of buffer {buffer_of[original]!r} after updating the buffer "
                                  f"in place ({nodes[k].op})", location=str(n.loc) if n.loc else None,
                                  hint="take the view after the update, or write the buffer out of place")
-            current[original] = value
+            del latest[old]
+            current[original], latest[value] = value, original
             new_value[buffer_of[original]] = value
         out.append(n)
     return out, new_value
