@@ -47,7 +47,7 @@ def lower(graph: Graph, model: P.ModelRef, optimizer: OptimizerConfig, estimates
         mesh=[P.MeshAxis(name=n, size=s) for n, s in graph.mesh.device_axes],
         stages=programs,
         params=[P.ParamSpec(**spec(i), grad=grad[i.name], update=update[i.name]) for i in graph.inputs_of(InputKind.PARAM)],
-        buffers=[P.TensorSpec(**spec(i)) for i in graph.inputs_of(InputKind.BUFFER)],
+        buffers=[P.BufferSpec(**spec(i), update=update.get(i.name)) for i in graph.inputs_of(InputKind.BUFFER)],
         states=[P.StateSpec(**spec(i), update=update[i.name], **_state_init(i), **unpadded(i))
                 for i in graph.inputs_of(InputKind.STATE)],
         batch=[P.TensorSpec(**spec(i), microbatch=split(i)) for i in graph.inputs_of(InputKind.BATCH)],

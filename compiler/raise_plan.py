@@ -22,7 +22,7 @@ def raise_plan(plan: P.Plan) -> Graph:
     nodes = [_node(i) for st in plan.stages for i in st.instructions]
     outputs = [GraphOutput(OutputKind.LOSS, plan.stages[0].loss, "loss")]
     outputs += [GraphOutput(OutputKind.GRAD, p.grad, p.name) for p in plan.params]
-    outputs += [GraphOutput(OutputKind.UPDATE, s.update, s.name) for s in [*plan.params, *plan.states]]
+    outputs += [GraphOutput(OutputKind.UPDATE, s.update, s.name) for s in [*plan.params, *plan.written_buffers, *plan.states]]
     outputs += [GraphOutput(OutputKind.METRIC, v, name) for name, v in plan.metrics.items()]
     return Graph(name=model_name(plan.model.path), mesh=mesh, inputs=inputs, nodes=nodes, outputs=outputs,
                  init=[_node(i) for i in plan.init.instructions],

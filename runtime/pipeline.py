@@ -44,7 +44,8 @@ def plan_task_graph(plan: Plan) -> TaskGraph:
                   ins.kwargs.get("src") if isinstance(ins.kwargs.get("src"), int) else None)
              for prog in plan.stages for i, ins in enumerate(prog.instructions)]
     outs = [plan.stages[0].loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
-            *(s.update for s in plan.states), *(r.value for r in plan.pipeline.replicas), *plan.metrics.values()]
+            *(s.update for s in plan.states), *(b.update for b in plan.written_buffers),
+            *(r.value for r in plan.pipeline.replicas), *plan.metrics.values()]
     return TaskGraph(items, outs, plan.pipeline.microbatches)
 
 
@@ -251,6 +252,9 @@ class PipelineRunner(Runner):
         for s in plan.states:
             if s.name in self.states:
                 self.states[s.name] = step_env[s.update] if s.update in self._made_here else step_env[replicas[s.name]]
+        for b in plan.written_buffers:  # the stage whose forward wrote it holds it
+            if b.name in self.buffers and b.update in self._made_here:
+                self.buffers[b.name] = step_env[b.update]
         loss = self._scalar(step_env, plan.stages[0].loss)
         metrics = {name: self._scalar(step_env, v) for name, v in plan.metrics.items()}
         grads = self._collect({p.name: (step_env.get(p.grad), self._value_sbp(self.types.get(p.grad), fallback=p))
@@ -330,24 +334,35 @@ class PipelineRunner(Runner):
     def logical_weights(self) -> dict[str, torch.Tensor]:
         mine = {p.name: (self.params[p.name], self.spec_sbp[p.name]) for p in self.plan.params
                 if p.name in self.params and self._owner_here(p)}
-        first = {b.name: (self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers
-                 if b.name in self.buffers and self._first_holder(b.value)}
-        return self._collect({**mine, **first}) or {}
+        return self._collect({**mine, **self._my_buffers()}) or {}
+
+    def logical_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer as its logical tensor, on rank 0 (elsewhere {}). Every rank must call it."""
+        return self._collect(self._my_buffers()) or {}
+
+    def _my_buffers(self) -> dict:
+        """The buffers this stage answers for: those its forward writes, and of the others those
+        it is the first to read (each logical tensor comes from one stage)."""
+        return {b.name: (self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers
+                if b.name in self.buffers and self._answers_for(b)}
 
     def checkpoint_tensors(self) -> dict:
-        """What this stage updates (a tied weight from its owner's stage only) and the buffers
-        of the first stage that reads them: each logical tensor comes from one stage."""
+        """What this stage updates (a tied weight from its owner's stage only) and the buffers it
+        answers for (``_my_buffers``): each logical tensor comes from one stage."""
         from sbpc.runtime.checkpoint import Held
 
         return {**{p.name: Held(self.params[p.name], p, "param") for p in self.plan.params
                    if p.name in self.params and self._owner_here(p)},
                 **{b.name: Held(self.buffers[b.name], b, "buffer") for b in self.plan.buffers
-                   if b.name in self.buffers and self._first_holder(b.value)},
+                   if b.name in self.buffers and self._answers_for(b)},
                 **{s.name: Held(self.states[s.name], s, "state") for s in self.plan.states
                    if s.name in self.states and s.update in self._made_here}}
 
     def _owner_here(self, p) -> bool:
         return p.update in self._made_here
+
+    def _answers_for(self, b) -> bool:
+        return b.update in self._made_here if b.update is not None else self._first_holder(b.value)
 
     def _first_holder(self, value: str) -> bool:
         stages = sorted({key[0] % self.p for key, b in self.graph.bodies.items() if value in b.inputs})

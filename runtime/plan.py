@@ -104,6 +104,12 @@ class ParamSpec(TensorSpec):
     update: str  # the value holding its new value after the optimizer
 
 
+class BufferSpec(TensorSpec):
+    # the value holding its new value after the step's forward (BatchNorm's running statistics),
+    # kept as the buffer for the next step; None: the step never writes it
+    update: str | None = None
+
+
 class StateSpec(TensorSpec):
     update: str
     init: Literal["zeros", "loss_scale", "param"] = "zeros"  # loss_scale: filled with precision.loss_scaling.init_scale
@@ -233,7 +239,7 @@ class Plan(_Model):
     mesh: list[MeshAxis]  # rank order: outermost axis first
     stages: list[StageProgram]
     params: list[ParamSpec]
-    buffers: list[TensorSpec]
+    buffers: list[BufferSpec]
     states: list[StateSpec]
     batch: list[TensorSpec]
     # per-step scalar inputs the runtime fills each step: "lr", the learning rate (f64[], B);
@@ -255,6 +261,11 @@ class Plan(_Model):
 
     def content_digest(self) -> str:
         return hashlib.sha256(self.model_dump_json(exclude={"digest"}).encode()).hexdigest()
+
+    @property
+    def written_buffers(self) -> list[BufferSpec]:
+        """The buffers the step's forward writes (BatchNorm's running statistics)."""
+        return [b for b in self.buffers if b.update is not None]
 
     @property
     def world_size(self) -> int:

@@ -91,9 +91,10 @@ class Runner:
                                  hint="use runtime.pipeline.PipelineRunner (make_runner picks it)")
         stage = plan.stages[0]
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch, *plan.hyper]
-        # outputs: the loss, then each param's gradient and update, each state's update, the metrics
+        # outputs: the loss, then each param's gradient and update, each state's update, each
+        # written buffer's new value, the metrics
         outputs = [stage.loss, *(p.grad for p in plan.params), *(p.update for p in plan.params),
-                   *(s.update for s in plan.states), *plan.metrics.values()]
+                   *(s.update for s in plan.states), *(b.update for b in plan.written_buffers), *plan.metrics.values()]
         self.program = Program(stage.instructions, [s.value for s in specs], outputs, backend,
                                name=f"stage{stage.stage}")
         types = {o: t for ins in stage.instructions for o, t in zip(ins.outs, ins.types)}
@@ -214,9 +215,13 @@ class Runner:
         grads = {name: unpad(self.gather(g, self.grad_sbp[name]), self.logical_shape[name])
                  for name, g in zip(self.params, rest[:n])} if keep_grads else {}
         self.params = dict(zip(self.params, rest[n:2 * n]))
-        self.states = dict(zip(self.states, rest[2 * n:2 * n + len(self.states)]))
+        rest = rest[2 * n:]
+        self.states = dict(zip(self.states, rest[:len(self.states)]))
+        rest = rest[len(self.states):]
+        written = self.plan.written_buffers
+        self.buffers.update((b.name, t) for b, t in zip(written, rest[:len(written)]))
         metrics = {name: float(self.gather(t, self.metric_sbp[name]))
-                   for name, t in zip(self.plan.metrics, rest[2 * n + len(self.states):])}
+                   for name, t in zip(self.plan.metrics, rest[len(written):])}
         return StepResult(loss=float(self.gather(loss, self.loss_sbp)), grads=grads, grad_norm=metrics.get(GRAD_NORM))
 
     def checkpoint_tensors(self) -> dict:
@@ -245,8 +250,12 @@ class Runner:
 
     def logical_weights(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as logical tensors (a state_dict). A collective: every rank must call it."""
-        return {**self.logical_params(),
-                **{b.name: self.gather(self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers}}
+        return {**self.logical_params(), **self.logical_buffers()}
+
+    def logical_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer as its logical tensor, a copy the next step does not overwrite. A
+        collective: every rank must call it."""
+        return {b.name: self._copy(self.buffers[b.name], self.spec_sbp[b.name]) for b in self.plan.buffers}
 
     def logical_states(self) -> dict[str, torch.Tensor]:
         """Every optimizer state (the step counter included) as its logical tensor. A collective:

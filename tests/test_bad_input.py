@@ -161,9 +161,12 @@ CASES = [
          "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
     Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
          "cannot trace forward(): data-dependent control flow (at tests/models/data_dependent.py:11)"),
-    Case("model-in-place-buffer", ["compile", "tests/models/inplace_buffer.py", "-o", "{tmp}/p.json"],
-         "forward() updates buffer 'bn.num_batches_tracked' in place (aten.add_.Tensor) "
-         "(at bn @ tests/models/inplace_buffer.py:13)"),
+    Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
+         ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
+          "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),
+    Case("model-buffer-update-with-micro-batches", ["compile", "tests/models/mlp_bn.py", "--mesh", "1x1x2",
+                                                    "-o", "{tmp}/p.json"],
+         ("forward() updates buffer", "not supported with 2 micro-batches yet", "--microbatches 1")),
     Case("model-converts-built-module", ["compile", "tests/models/to_dtype.py", "-o", "{tmp}/p.json"],
          ("build_model() failed", "Couldn't swap Linear.weight (at tests/models/to_dtype.py:9)",
           "create the parameters in their dtype instead")),

@@ -171,6 +171,26 @@ def test_fp16_loss_scale_and_skipped_steps_are_carried(tmp_path):
     assert "1 of 4 steps skipped" in proc.stdout and "loss scale 32768" in proc.stdout
 
 
+def test_running_statistics_the_forward_writes_are_saved_and_resumed(tmp_path):
+    """BatchNorm's running statistics are buffers the step writes (docs/buffers.md): a checkpoint
+    holds their values after the last step, and a run resumed from it (here on a pipeline of
+    another layout) carries them on, so its buffers after step 6 are the straight run's."""
+    model = "tests/models/resnet_bn.py"
+    pipe = _compile(tmp_path, "pipe", model, "2x1x2")
+    flat = _compile(tmp_path, "flat", model, "2")
+    run(pipe, 3, world=4, save=str(tmp_path / "c"))
+    saved = dict(logical_tensors(str(tmp_path / "c"), kinds=("buffer",)))
+    assert int(saved["layer2.down.1.num_batches_tracked"]) == 3
+    assert not torch.equal(saved["bn.running_var"], torch.ones_like(saved["bn.running_var"]))
+    run(flat, 6, world=2, resume=str(tmp_path / "c"), save=str(tmp_path / "resumed"))
+    run(pipe, 6, world=4, save=str(tmp_path / "straight"))
+    resumed = dict(logical_tensors(str(tmp_path / "resumed"), kinds=("buffer",)))
+    straight = dict(logical_tensors(str(tmp_path / "straight"), kinds=("buffer",)))
+    assert int(resumed["bn.num_batches_tracked"]) == 6 and set(resumed) == set(straight)
+    for name, t in straight.items():
+        assert torch.allclose(resumed[name].double(), t.double(), rtol=1e-4, atol=1e-6), name
+
+
 def test_the_data_position_is_resumed(plans, tmp_path):
     """On a token file the loader's position (epoch, sample) is saved and restored: the resumed
     run reads the batches the uninterrupted one read, and goes on across the epoch boundary."""

@@ -53,7 +53,7 @@ def test_valid_graph_verifies():
     (OK_BODY + """
   output grad %l "x\"""", r"gradient output names 'x', which is not a parameter"),
     (OK_BODY + """
-  output update %l "nothing\"""", r"update output names 'nothing', which is neither"),
+  output update %l "nothing\"""", r"update output names 'nothing', which is not a parameter, buffer or optimizer state"),
     (OK_BODY.replace("output loss %l", "output loss %zz"), r"graph output loss 'loss' uses undefined value %zz"),
     ("""  %y = aten.mm.default(%x, %w) : f32[2, 4] {role=fwd, stage=0}
   %l = aten.sum.default(%y) : f32[] {role=fwd}

@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
+from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -32,7 +33,7 @@ from sbpc.compiler.frontend.repeated_layers import Repeated, find_repeated
 from sbpc.compiler.frontend.stamp import NotStampable, Stamper
 from sbpc.compiler.frontend.stamp_expand import expand
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
-from sbpc.compiler.ir.aten import is_mutating
+from sbpc.compiler.ir.aten import is_mutating, shares_storage
 from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
@@ -84,8 +85,13 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     inputs += [loss_scale.scale_input()] * len(scale)
     if mesh.size("pp") > 1:  # without a pipeline stage hints mean nothing: one config serves every mesh
         imported.nodes = _stage_hints(graph, imported.nodes, config)
-    nodes, renamed = functionalize(imported.nodes, {i.value for i in inputs},
-                                   frozenset(names[o] for o in imported.outputs if o is not None))
+    # buffer writes first: ``buf.mul_(m).add_(x)`` writes the buffer twice, the second time
+    # through the alias mul_ returns, which functionalize would take for a private temporary
+    nodes, buffer_writes = functionalize_buffer_writes(imported.nodes, inputs)
+    read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
+    nodes, renamed = functionalize(nodes, {i.value for i in inputs}, read_after)
+    buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
+    _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
         to_hint = {n.args[0].name: n.outputs[0] for n in hinted}
@@ -111,6 +117,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     append_optimizer(optimizer, plist, inputs, nodes, outputs)
     if found is not None:
         loss_scale.append_skip(precision.loss_scaling, found, inputs, nodes, outputs)
+    # after the skip: eager's forward updated the running statistics even when fp16 skips the step
+    outputs += [GraphOutput(OutputKind.UPDATE, v, name) for name, v in buffer_writes.items()]
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
                  outputs=outputs, init=init_nodes, init_outputs=init_outputs)
@@ -147,14 +155,38 @@ def _fx_producer(by_name: dict, outputs: list[str]):
 
 
 def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
+    """What ``functionalize_buffer_writes`` left in place on an input, or on a view of one, is
+    refused here with the user's line."""
     by_value = {i.value: i for i in inputs}
+    view_of: dict[str, GraphInput] = {}  # a view's value -> the input whose storage it shares
     for n in nodes:
         target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
-        if target in by_value and is_mutating(n.op):
-            i = by_value[target]
-            raise ModelError(f"forward() updates {i.kind.value} {i.name!r} in place ({n.op})", location=str(n.loc) if n.loc else None,
-                             hint="state updated during forward (e.g. BatchNorm running stats) is not supported yet; "
-                                  "use LayerNorm, or call .eval() on that module in build_model")
+        whole = by_value.get(target)
+        i = whole or view_of.get(target)
+        if i is not None and is_mutating(n.op):
+            how = "in place" if whole else "through a view"
+            hint = ("state updated during forward is supported for buffers written whole, in place or out of place "
+                    "(BatchNorm running stats, buf.mul_(m).add_(x), buf.copy_(new)), not for parameters; "
+                    "call .eval() on that module in build_model" if whole else
+                    "writing part of a buffer is not supported; write the whole buffer "
+                    "(buf.copy_(torch.cat([...])) or buf.mul_(mask))")
+            raise ModelError(f"forward() updates {i.kind.value} {i.name!r} {how} ({n.op})",
+                             location=str(n.loc) if n.loc else None, hint=hint)
+        if i is not None and shares_storage(n.op):
+            view_of.update((o, i) for o in n.outputs)
+
+
+def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
+    """Each micro-batch's forward would update the buffer in turn, a dependency from one
+    micro-batch's forward to the next that the schedule does not model (docs/training.md)."""
+    if not writes or mesh.microbatches == 1:
+        return
+    name, value = next(iter(writes.items()))
+    loc = next((n.loc for n in nodes if value in n.outputs), None)
+    raise ModelError(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is not supported "
+                     f"with {mesh.microbatches} micro-batches yet", location=str(loc) if loc else None,
+                     hint="compile with --microbatches 1 (a pipeline then runs one micro-batch a step), "
+                          "or call .eval() on that module in build_model")
 
 
 def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):

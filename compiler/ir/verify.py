@@ -100,10 +100,11 @@ def _verify_signature(graph: Graph, where: str) -> None:
     for out in graph.outputs_of(OutputKind.GRAD):
         if out.name not in params:
             raise IRError(f"gradient output names {out.name!r}, which is not a parameter{where}")
-    updatable = params | states  # once: a 1T graph has ~100k update outputs
+    buffers = {i.name for i in graph.inputs_of(InputKind.BUFFER)}
+    updatable = params | states | buffers  # once: a 1T graph has ~100k update outputs
     for out in graph.outputs_of(OutputKind.UPDATE):
         if out.name not in updatable:
-            raise IRError(f"update output names {out.name!r}, which is neither a parameter nor optimizer state{where}")
+            raise IRError(f"update output names {out.name!r}, which is not a parameter, buffer or optimizer state{where}")
     if graph.init_outputs:
         needed = params | {i.name for i in graph.inputs_of(InputKind.BUFFER)}
         missing = needed - {o.name for o in graph.init_outputs}

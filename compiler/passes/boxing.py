@@ -171,15 +171,17 @@ class _Inserter:
         return self.convert(self.loss, need, anchor)
 
     def _restore_layouts(self, outputs):
-        """An updated param/state must leave the step in the layout it came in with."""
-        by_name = {i.name: i for i in self.g.inputs if i.kind in (InputKind.PARAM, InputKind.STATE)}
+        """An updated param/state/buffer must leave the step in the layout it came in with (a
+        buffer's new value, made by the forward, is converted in the forward)."""
+        by_name = {i.name: i for i in self.g.inputs if i.kind in (InputKind.PARAM, InputKind.STATE, InputKind.BUFFER)}
         made_on = {o: n.stage for n in self.out for o in n.outputs}  # the program so far; SSA: one maker each
         fixed = []
         for o in outputs:
             src = by_name.get(o.name) if o.kind == OutputKind.UPDATE else None
             moved = src is not None and self.mem.get(o.value, DEVICE) != src.memory
             if src is not None and (moved or src.sbp is not None and self.sbp.get(o.value) not in (None, src.sbp)):
-                anchor = Node([], "update", (), {}, [], Role.OPTIMIZER, stage=self._stage_of(o.value, made_on),
+                role = Role.FORWARD if src.kind == InputKind.BUFFER else Role.OPTIMIZER
+                anchor = Node([], "update", (), {}, [], role, stage=self._stage_of(o.value, made_on),
                               memory=src.memory)
                 o = replace(o, value=self.convert(o.value, src.sbp, anchor))
             fixed.append(o)

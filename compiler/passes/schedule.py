@@ -35,7 +35,7 @@ from sbpc.compiler.sbp.boxing_plan import SEQUENTIAL_STEPS
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.pipelining.schedule_sim import Simulation, TaskCost, simulate
-from sbpc.errors import CompileError, PlanError
+from sbpc.errors import CompileError, ModelError, PlanError
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, TaskGraph, replay
 from sbpc.runtime.kinds import Collective, ScheduleName
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
@@ -388,6 +388,15 @@ class _Cutter:
         made_on = {v: nodes[i] for v, i in producers(nodes).items()}
         readers_of = {v: {nodes[i].stage or 0 for i in ix} for v, ix in users(nodes).items()}
         extra = []
+        for b in self.g.inputs_of(InputKind.BUFFER):
+            other = sorted(readers_of.get(b.value, set()) - {made_on[updates[b.name]].stage or 0}) \
+                if updates.get(b.name) in made_on else []
+            if other:  # its new value would have to reach those chunks after the forward: not modelled
+                writer = made_on[updates[b.name]]
+                raise ModelError(f"buffer {b.name!r} is updated by the forward on pipeline chunk {writer.stage or 0} "
+                                 f"but also read on chunk {other[0]}, which is not supported yet",
+                                 location=str(writer.loc) if writer.loc else None,
+                                 hint="place the modules that read and update it on one stage ([stages] in the config)")
         for p in [*self.g.inputs_of(InputKind.PARAM), *self.g.inputs_of(InputKind.STATE)]:
             readers = sorted(readers_of.get(p.value, ()))
             new = updates.get(p.name)

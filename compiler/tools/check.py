@@ -28,6 +28,8 @@ over steps and tensors is within the tolerance):
   update    parameter: max|plan - torch| / max(max|torch - p_t|, eps(dtype) * max|torch|),
             the size of torch's step (floored at the parameter's own resolution);
             optimizer state: max|plan - torch| / max|torch|
+            buffer (after the step's forward, from the plan's S_t buffers: BatchNorm's running
+            statistics): max|plan - torch| / max|torch|
 Before the first step the plan's replayed init is compared with eager ``torch.manual_seed(seed);
 build_model()``; they agree bit for bit. ``free_running=True`` also runs eager on its own
 trajectory and reports both loss curves side by side: a report, not part of the verdict.
@@ -218,9 +220,12 @@ class Eager:
         self.norms: list[float] = []  # clip_grad_norm_'s total norm of each step it clipped
         self.precision = precision
         self.scaler = LossScaler(precision.loss_scaling) if precision.loss_scaling else None
+        self.buffers_before: dict[str, torch.Tensor] = {}
 
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
+        # the buffers the forward starts from (it may update them): the float64 twin starts there too
+        self.buffers_before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
 
     def on_device(self, batch):
@@ -233,6 +238,9 @@ class Eager:
         try:
             twin = copy.deepcopy(self.model).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
+            with torch.no_grad():
+                for name, b in twin.named_buffers():
+                    b.copy_(self.buffers_before[name])
             loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
@@ -244,14 +252,18 @@ class Eager:
         return ({name: deviation(p.grad, twins[name].grad, 1.0) for name, p in self.named.items()
                  if p.grad is not None and twins[name].grad is not None}, abs(float(loss64) - float(loss)), None)
 
-    def load(self, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
-        """Parameters and optimizer state from the plan's logical tensors (``exp_avg:<fqn>``, ``step``,
-        fp16's scale state)."""
+    def load(self, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor],
+             buffers: dict[str, torch.Tensor]) -> None:
+        """Parameters, buffers and optimizer state from the plan's logical tensors (``exp_avg:<fqn>``,
+        ``step``, fp16's scale state)."""
         if self.scaler is not None:
             self.scaler.load(states)
+        own_buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
+            for name, t in buffers.items():
+                own_buffers[name].copy_(t)
         step = states.get(str(StateName("step")))
         for name, p in self.named.items():
             state = {kind: states[str(StateName(kind, name))].clone() for kind in self._kinds()
@@ -323,11 +335,12 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     lead = runner.topology.rank == 0
     weights = runner.logical_weights()
     params, states = {n: weights[n] for n in (p.name for p in plan.params) if n in weights}, runner.logical_states()
+    buffers = {b.name: weights[b.name] for b in plan.buffers if b.name in weights}
     batches = BatchSource(plan, seed)
     if not lead:
         for step in range(steps):
             runner.step(batches(step), rng_seed=step_seed(seed, step), keep_grads=True, lr=step_lr(lrs, step))
-            runner.logical_params(), runner.logical_states(), runner.replica_spread()
+            runner.logical_params(), runner.logical_states(), runner.replica_spread(), runner.logical_buffers()
         return None
     report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
@@ -348,11 +361,20 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         lr = step_lr(lrs, step)
         result = runner.step(batch, rng_seed=step_seed(seed, step), keep_grads=True, lr=lr)
         new_params, new_states, spreads = runner.logical_params(), runner.logical_states(), runner.replica_spread()
+        new_buffers = runner.logical_buffers()
         row = StepRow(str(step), result.loss, None, Deviation(), Deviation(), Deviation())
         report.rows.append(row)
         # loss and gradients from the plan's parameters S_t
-        eager.load(params, states)
+        eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
+        # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
+        eager_buffers = dict(eager.model.named_buffers())
+        for name, got in new_buffers.items():
+            ref = eager_buffers[name]
+            row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
+        for b in plan.written_buffers:
+            if b.name not in new_buffers:
+                row.update.update(f"{b.name} (the plan returned none)", float("inf"))
         row.loss_eager = float(loss)
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         finite = _finite(refs.values())
@@ -409,7 +431,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         step_name = str(StateName("step"))
         if step_name in new_states:
             row.update.update(step_name, deviation(new_states[step_name], states[step_name] + (0 if skipped else 1), 1.0))
-        params, states = new_params, new_states
+        params, states, buffers = new_params, new_states, new_buffers
         if LOSS_SCALE in states:
             report.loss_scale = float(states[LOSS_SCALE])
         if free is not None:
