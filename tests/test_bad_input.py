@@ -351,7 +351,12 @@ CASES = [
          "no tensor of checkpoint {tmp}/c/step_00000001 starts with 'model.'", checkpointed()),
 ]
 
-SUBPROCESS = ["model-syntax-error", "plan-wrong-world-size", "unknown-flag"]
+SUBPROCESS = ["model-syntax-error", "plan-wrong-world-size", "unknown-flag", "model-converts-built-module"]
+# Whether torch can swap a parameter that build_model() converted (module.to(dtype) under the
+# init recorder) depends on state an earlier capture in the same process leaves behind: after
+# tests/test_capture.py's to_dtype capture the conversion goes through. These run only in a
+# fresh process (test_bad_input_end_to_end), as a user's `sbpc compile` does.
+FRESH_PROCESS_ONLY = {"model-converts-built-module"}
 
 
 def _listing(tmp: Path) -> set[str]:
@@ -373,7 +378,7 @@ def _alarm(signum, frame):
     raise TimeoutError(f"a bad-input case ran over {SECONDS}s (a hang?)")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.name not in FRESH_PROCESS_ONLY], ids=lambda c: c.name)
 def test_bad_input_in_process(case, tmp_path, capsys, monkeypatch):
     from sbpc.cli import main
 
