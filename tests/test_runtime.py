@@ -195,3 +195,16 @@ def test_a_list_result_of_one_tensor_is_unpacked():
     x = torch.randn(1, 2, 3)
     (y,) = Program(ins, ["x"], ["y"], make_backend("cpu")).run([x])
     assert torch.equal(y, x[0] * 2)
+
+
+def test_save_plan_signs_the_plan_as_a_whole_dump_would(tmp_path):
+    """save_plan serializes once and appends the digest; the file is what dumping the signed
+    model gives, and load_plan's digest check accepts it."""
+    from sbpc.runtime.plan import load_plan, save_plan
+
+    plan = compile_example("mlp.py")[0].plan
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    signed = plan.model_copy(update={"digest": plan.content_digest()})
+    assert path.read_text() == signed.model_dump_json()
+    assert load_plan(str(path)) == signed
