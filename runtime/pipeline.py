@@ -252,7 +252,7 @@ class PipelineRunner(Runner):
         for s in plan.states:
             if s.name in self.states:
                 self.states[s.name] = step_env[s.update] if s.update in self._made_here else step_env[replicas[s.name]]
-        for b in plan.written_buffers:  # the stage whose forward wrote it holds it
+        for b in self.written_buffers:  # the stage whose forward wrote it holds it
             if b.name in self.buffers and b.update in self._made_here:
                 self.buffers[b.name] = step_env[b.update]
         loss = self._scalar(step_env, plan.stages[0].loss)

@@ -260,7 +260,7 @@ class Plan(_Model):
     digest: str | None = None
 
     def content_digest(self) -> str:
-        return hashlib.sha256(self.model_dump_json(exclude={"digest"}).encode()).hexdigest()
+        return _sha256(self.model_dump_json(exclude={"digest"}))
 
     @property
     def written_buffers(self) -> list[BufferSpec]:
@@ -288,9 +288,12 @@ def save_plan(plan: Plan, path: str) -> None:
     """Writes ``plan`` signed with its digest. The plan is serialized once (a 1T plan's JSON is
     21 MB, 0.25 s a dump): ``digest`` is the model's last field, so the signed text is the
     unsigned one with it appended."""
-    body = plan.model_dump_json(exclude={"digest"})
-    digest = hashlib.sha256(body.encode()).hexdigest()
-    write_atomic(path, f'{body[:-1]},"digest":{json.dumps(digest)}}}')
+    body = plan.model_dump_json(exclude={"digest"})  # what content_digest hashes
+    write_atomic(path, f'{body[:-1]},"digest":{json.dumps(_sha256(body))}}}')
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load_plan(path: str) -> Plan:

@@ -116,6 +116,7 @@ class Runner:
                                  hint="build the communicator with runtime.dist.init_distributed(plan, ...)")
         self.plan, self.backend = plan, backend
         self.timeline = Timeline(timeline)
+        self.written_buffers = plan.written_buffers  # asked every step: listed once
         self.topology = backend.topology
         self.coords, self.sizes = self.topology.sbp_coords(), self.topology.sbp_sizes()
         specs = [*plan.params, *plan.buffers, *plan.states, *plan.batch]
@@ -218,7 +219,7 @@ class Runner:
         rest = rest[2 * n:]
         self.states = dict(zip(self.states, rest[:len(self.states)]))
         rest = rest[len(self.states):]
-        written = self.plan.written_buffers
+        written = self.written_buffers
         self.buffers.update((b.name, t) for b, t in zip(written, rest[:len(written)]))
         metrics = {name: float(self.gather(t, self.metric_sbp[name]))
                    for name, t in zip(self.plan.metrics, rest[len(written):])}

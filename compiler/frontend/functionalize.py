@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.ir.aten import functional_variant, returns_alias, shares_storage
-from sbpc.compiler.ir.types import Node, Ref, Role, TensorType, rename_uses
+from sbpc.compiler.ir.types import FreshNames, Node, Ref, Role, TensorType, rename_uses
 
 # A chain: the names of the view results from a base to an alias (the base itself: empty)
 Chain = tuple[str, ...]
@@ -30,13 +30,17 @@ _RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.r
                        "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
                        "aten.squeeze.default"})
 _TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int"})
+# the view ops `_inverse` can put a written result back through
+_INVERTIBLE = _RESHAPES | _TRANSPOSES | frozenset({
+    "aten.slice.Tensor", "aten.select.int", "aten.unbind.int", "aten.split.Tensor", "aten.split_with_sizes.default",
+    "aten.permute.default"})
 
 
 def functionalize(nodes: list[Node], inputs: set[str], outputs: frozenset[str] = frozenset()
                   ) -> tuple[list[Node], dict[str, str]]:
     """The rewritten nodes, and the renaming that the graph's ``outputs`` must follow (a value
     overwritten later maps to its last version)."""
-    f = _Functionalizer(inputs, {o for n in nodes for o in n.outputs} | set(inputs))
+    f = _Functionalizer(inputs, FreshNames({o for n in nodes for o in n.outputs} | set(inputs)))
     for n in nodes:
         f.visit(n)
     return f.out, {o: f.read(o) for o in outputs | f.written if f.read(o) != o}
@@ -45,7 +49,7 @@ def functionalize(nodes: list[Node], inputs: set[str], outputs: frozenset[str] =
 @dataclass
 class _Functionalizer:
     inputs: set[str]
-    taken: set[str]  # every value name in use: fresh names avoid them
+    fresh: FreshNames  # new value names, clear of every name in use
     out: list[Node] = field(default_factory=list)
     types: dict[str, TensorType] = field(default_factory=dict)
     alias: dict[str, tuple[str, Chain]] = field(default_factory=dict)  # view result -> (base, chain)
@@ -82,9 +86,9 @@ class _Functionalizer:
         """``n`` writes ``target`` in place: emit it out of place and scatter the result into the
         base's next value. False (nothing emitted) where that cannot be done."""
         base, chain = self.alias.get(target, (target, ()))
-        if base in self.inputs or any(not _invertible(self.view_of[v][0]) for v in chain):
+        if base in self.inputs or any(self.view_of[v][0].op not in _INVERTIBLE for v in chain):
             return False
-        fresh = self._fresh(f"{n.outputs[0]}_f" if n.outputs else f"{target}_f{len(self.out)}")
+        fresh = self.fresh(f"{n.outputs[0]}_f" if n.outputs else f"{target}_f{len(self.out)}")
         ttype = n.types[0] if n.types else self.types[target]
         self.out.append(replace(n, op=functional, outputs=[fresh], types=[ttype]))
         self.types[fresh] = ttype
@@ -110,32 +114,17 @@ class _Functionalizer:
         if key not in self.made:
             parent = self._materialize(base, chain[:-1])
             view, index = self.view_of[chain[-1]]
-            outs = [self._fresh(f"{o}_v{key[1]}") for o in view.outputs]
+            outs = [self.fresh(f"{o}_v{key[1]}") for o in view.outputs]
             self.out.append(replace(view, args=(Ref(parent), *view.args[1:]), outputs=outs, role=self.role))
             self.types.update(zip(outs, view.types))
             self.made[key] = outs[index]
         return self.made[key]
 
     def _emit(self, name: str, op: str, args: tuple, ttype: TensorType, write: Node) -> str:
-        fresh = self._fresh(name)
+        fresh = self.fresh(name)
         self.out.append(Node([fresh], op, args, {}, [ttype], write.role, loc=write.loc))
         self.types[fresh] = ttype
         return fresh
-
-    def _fresh(self, name: str) -> str:
-        k, candidate = 0, name
-        while candidate in self.taken:
-            k += 1
-            candidate = f"{name}{k}"
-        self.taken.add(candidate)
-        return candidate
-
-
-def _invertible(view: Node) -> bool:
-    return view.op in _RESHAPES or view.op in _TRANSPOSES or view.op in (
-        "aten.slice.Tensor", "aten.select.int", "aten.unbind.int", "aten.split.Tensor",
-        "aten.split_with_sizes.default", "aten.permute.default")
-
 
 def _inverse(view: Node, index: int, parent: Ref, value: Ref, parent_type: TensorType) -> tuple[str, tuple]:
     """The op and arguments that put ``value`` (result ``index`` of ``view``, written) back into
