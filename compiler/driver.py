@@ -5,7 +5,7 @@ import io
 import time
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.frontend.capture import capture
+from sbpc.compiler.frontend.capture import BufferWritesOverMicrobatches, capture
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph
@@ -36,7 +36,6 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
                   enforce_budget: bool = True) -> CompileResult:
     """``enforce_budget``: refuse a plan that does not fit ``memory.device_memory`` (`sbpc
     memory` turns it off to print the table)."""
-    mesh = mesh.with_microbatches(pipeline.microbatches)
     ctx = ctx or CompileContext()
     # a broken pass list fails before the capture (auto's mode is chosen after it; any mode has the same contracts)
     _manager(passes, ctx, pipeline,
@@ -44,7 +43,8 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
              clip_grad=optimizer.clip_grad)
     t0 = time.perf_counter()
     with no_cycle_collection(collect_after=not ctx.process_exits):  # one pause: capture and passes nest in it
-        graph = capture(source, mesh, batch_size, optimizer, config, precision_spec(memory.precision))
+        graph, mesh, pipeline = _capture_fitting_microbatches(source, mesh, batch_size, optimizer, config, memory,
+                                                              pipeline, ctx, passes)
         result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx,
                                   passes=passes, pipeline=pipeline, memory=memory)
         result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
@@ -53,6 +53,28 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
         _refuse_over_budget(result.plan.estimates.roles, graph, source, mesh, batch_size=batch_size,
                             optimizer=optimizer, config=config, pipeline=pipeline, memory=memory)
     return result
+
+
+def _capture_fitting_microbatches(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: OptimizerConfig,
+                                  config: ParallelConfig | None, memory: MemoryOptions, pipeline: PipelineOptions,
+                                  ctx: CompileContext, passes) -> tuple[Graph, Mesh, PipelineOptions]:
+    """The capture on ``mesh`` with the pipeline's micro-batches. A forward that updates buffers
+    (BatchNorm's running statistics) cannot be split into micro-batches: their statistics, and
+    so the gradients, would differ from the whole batch's. Where the count was only the default
+    (pp), such a model runs one micro-batch a step, with a note; a count the user asked for is
+    refused (``BufferWritesOverMicrobatches``, with the hint)."""
+    precision = precision_spec(memory.precision)
+    try:
+        return capture(source, mesh.with_microbatches(pipeline.microbatches), batch_size, optimizer, config,
+                       precision), mesh.with_microbatches(pipeline.microbatches), pipeline
+    except BufferWritesOverMicrobatches as err:
+        if not pipeline.microbatches_default or passes is not None:
+            raise
+        print(f"sbpc: note: {err.message.split(',')[0]}: running 1 micro-batch a step instead of the default "
+              f"{pipeline.microbatches} (its statistics are the whole batch's, as on one device)", file=ctx.log)
+    pipeline = replace(pipeline, microbatches=1, microbatches_default=False)
+    mesh = mesh.with_microbatches(1)
+    return capture(source, mesh, batch_size, optimizer, config, precision), mesh, pipeline
 
 
 def _refuse_over_budget(roles, captured: Graph, source: ModelSource, mesh: Mesh, *, memory: MemoryOptions,

@@ -93,6 +93,22 @@ def test_buffer_writes_are_refused_with_micro_batches():
         capture(load_model(RESNET), parse_mesh("1x1x2").with_microbatches(2), 8, OptimizerConfig())
 
 
+def test_a_default_micro_batch_count_falls_back_to_one_a_step(capsys):
+    """`sbpc check model.py --mesh 1x1x2` with no flags: the default count (pp) would split the
+    batch statistics, so the pipeline runs one micro-batch a step and says so; a count the
+    user asks for is refused as above."""
+    from sbpc.cli import main
+
+    assert main(["check", MLP, "--mesh", "1x1x2", "--batch-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "running 1 micro-batch a step instead of the default 2" in err
+    assert main(["check", MLP, "--mesh", "1x1x2", "--batch-size", "8", "--microbatches", "2"]) == 2
+    assert "not supported with 2 micro-batches" in capsys.readouterr().err
+    with pytest.raises(ModelError, match="not supported with 2 micro-batches"):  # the API asks for its count
+        compile_model(load_model(MLP), parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(),
+                      pipeline=PipelineOptions(microbatches=2))
+
+
 def test_reading_a_view_taken_before_the_write_is_refused(tmp_path):
     model = tmp_path / "stale_view.py"
     model.write_text("""import torch

@@ -176,6 +176,11 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
             view_of.update((o, i) for o in n.outputs)
 
 
+class BufferWritesOverMicrobatches(ModelError):
+    """The forward updates buffers and the mesh has micro-batches: the driver retries with one
+    micro-batch a step where the count was only the default."""
+
+
 def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
     """Each micro-batch's forward would update the buffer in turn, a dependency from one
     micro-batch's forward to the next that the schedule does not model (docs/training.md)."""
@@ -183,7 +188,7 @@ def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh:
         return
     name, value = next(iter(writes.items()))
     loc = next((n.loc for n in nodes if value in n.outputs), None)
-    raise ModelError(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is not supported "
+    raise BufferWritesOverMicrobatches(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is not supported "
                      f"with {mesh.microbatches} micro-batches yet", location=str(loc) if loc else None,
                      hint="compile with --microbatches 1 (a pipeline then runs one micro-batch a step), "
                           "or call .eval() on that module in build_model")

@@ -37,6 +37,9 @@ class PipelineOptions:
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
     microbatches: int = 1
+    # the count is the default (pp), not asked for: a model whose forward updates buffers
+    # (BatchNorm's running statistics) then runs one micro-batch a step instead of being refused
+    microbatches_default: bool = False
 
 
 def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: RecomputeMode = RecomputeMode.NONE,

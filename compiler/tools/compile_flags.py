@@ -139,6 +139,7 @@ def pipeline_options(args, mesh, config):
     virtual = virtual if virtual is not None else (2 if schedule == ScheduleName.INTERLEAVED else 1)
     pp = mesh.size("pp")
     m = pick(args.microbatches, "microbatches")
+    default = m is None
     m = m if m is not None else pp
     if m < 1:
         raise UsageError(f"--microbatches {m} must be at least 1", hint=f"use --microbatches {max(pp, 1)} or more")
@@ -150,4 +151,5 @@ def pipeline_options(args, mesh, config):
     if schedule == ScheduleName.INTERLEAVED and m % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches in groups of pp: {m} is not a multiple of {pp}",
                          hint=f"use --microbatches {pp * max(1, m // pp)}")
-    return PipelineOptions(schedule=schedule, virtual_stages=virtual, microbatches=m)
+    return PipelineOptions(schedule=schedule, virtual_stages=virtual, microbatches=m,
+                           microbatches_default=default and m > 1 and schedule != ScheduleName.INTERLEAVED)
