@@ -165,7 +165,7 @@ CASES = [
          ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
           "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),
     Case("model-buffer-update-with-micro-batches", ["compile", "tests/models/mlp_bn.py", "--mesh", "1x1x2",
-                                                    "-o", "{tmp}/p.json"],
+                                                    "--microbatches", "2", "-o", "{tmp}/p.json"],
          ("forward() updates buffer", "not supported with 2 micro-batches yet", "--microbatches 1")),
     Case("model-converts-built-module", ["compile", "tests/models/to_dtype.py", "-o", "{tmp}/p.json"],
          ("build_model() failed", "Couldn't swap Linear.weight (at tests/models/to_dtype.py:9)",
