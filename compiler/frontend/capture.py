@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 import re
 from dataclasses import replace
@@ -245,14 +246,14 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
         with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
-                (stamper.active() if stamper else contextlib.nullcontext()):
+                (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed:
             try:
                 gm = make_fx(joint, tracing_mode="real", record_stack_traces=True)(
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
             except SbpcError:
                 raise
             except Exception as err:
-                raise _capture_error(err, source) from err
+                raise _capture_error(err, source, failed.op) from err
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:
@@ -263,13 +264,41 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return trace(None)  # layer 1 is not a template the copies can follow: trace them all
 
 
-def _capture_error(err: Exception, source: ModelSource) -> CaptureError:
+def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -> CaptureError:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     data_dependent = "data-dependent" in str(err).lower() or "DataDependent" in type(err).__name__
     hint = ("control flow that depends on tensor values cannot be traced; use torch.where or move the decision "
             "out of forward()" if data_dependent else "forward() must be traceable by torch.fx / make_fx with fake tensors")
+    if op is not None and "grouped_mm" in op:
+        hint = ("a mixture-of-experts layer (tokens grouped by expert): sbpc does not support MoE layers yet "
+                "(torch traces this op only in bf16, and its groups follow the routing's values)")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
-    return CaptureError(f"cannot trace forward(): {what}", location=user_location(err, source.path), hint=hint)
+    return CaptureError(f"cannot trace forward(): {what}" + (f" (in {op})" if op else ""),
+                        location=user_location(err, source.path), hint=hint)
+
+
+class _FailedFakeKernel(logging.Filter):
+    """While tracing: torch logs a fake kernel's failure, with its traceback, before raising it.
+    The error becomes one line (``_capture_error``; the traceback is ``--debug``'s), so that
+    record is kept from stderr, and the op it names goes into the line."""
+    _LOGGER = "torch._subclasses.fake_tensor"
+
+    def __init__(self):
+        super().__init__()
+        self.op: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.args:
+            return True
+        self.op = self.op or str(record.args[0])
+        return False
+
+    def __enter__(self) -> "_FailedFakeKernel":
+        logging.getLogger(self._LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self._LOGGER).removeFilter(self)
 
 
 def _forward_location(model: torch.nn.Module) -> str | None:

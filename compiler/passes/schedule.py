@@ -211,7 +211,8 @@ class _Cutter:
         if culprit is None:
             return CompileError(f"{what}: an op reads the whole batch at once",
                                 location=str(n.loc) if n.loc else None,
-                                hint="an op without an SBP rule that splits the batch; use --microbatches 1 or add a rule")
+                                hint="every op downstream has a rule, but none offers a signature that keeps the batch "
+                                     "split for these shapes (docs/sbp_rules.md); use --microbatches 1")
         return CompileError(f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}",
                             location=str(culprit.loc) if culprit.loc else None,
                             hint=f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 "
