@@ -260,9 +260,15 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
 
     The plan's ``lr`` is the step's learning rate input, a float64 0-d tensor; the kernel takes a
     number, as torch.optim's ``AdamW(fused=True)`` passes its Python float, so the kernel runs
-    torch.optim's float-lr arithmetic (on cuda, reading the value waits for the 8 bytes)."""
+    torch.optim's float-lr arithmetic (on cuda, reading the value waits for the 8 bytes).
+
+    The step counts go in as float32, as torch.optim keeps a fused optimizer's ``step``: the
+    CUDA kernel reads each one's memory as a C float whatever its dtype, so the plan's float64
+    counter would be read as its low 4 bytes (0.0 for every step up to 2^21: a bias correction
+    of 0 and parameters of inf/NaN). The CPU kernel converts; float32 gives it the same value."""
     if isinstance(kwargs.get("lr"), torch.Tensor):
         kwargs = {**kwargs, "lr": kwargs["lr"].item()}
+    args = _float32_steps(args)
     lists = [params, grads, exp_avgs, exp_avg_sqs]
     if all(t.is_contiguous() for ts in lists for t in ts):
         kernel(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
@@ -274,6 +280,17 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
             if d is not t:
                 t.copy_(d)
     return [*params, *exp_avgs, *exp_avg_sqs]
+
+
+def _float32_steps(args: tuple) -> tuple:
+    """``(max_exp_avg_sqs, state_steps)`` with every step a float32 tensor (each distinct
+    tensor converted once: a plan passes its one counter once per parameter)."""
+    if len(args) < 2:
+        return args
+    max_exp_avg_sqs, steps, *rest = args
+    converted: dict[int, torch.Tensor] = {}
+    steps = [converted.setdefault(id(s), s.to(torch.float32)) if s.dtype != torch.float32 else s for s in steps]
+    return (max_exp_avg_sqs, steps, *rest)
 
 
 @lru_cache(maxsize=None)
