@@ -169,6 +169,25 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
         cuda.attention(q, k, v, 0.1, True)
 
 
+@pytest.mark.parametrize("shape,dtype", [((40, 50), torch.bool), ((2, 1, 40, 50), torch.float32),
+                                         ((40, 48), torch.bool), ((4, 40, 50), torch.bfloat16)])
+def test_attention_bias_is_4d_aligned_and_eagers_additive_mask(shape, dtype):
+    """What the memory-efficient kernel reads: a bias of the query's dtype, expanded to (batch,
+    heads, queries, keys), its rows starting at multiples of 8 elements, with the mask's values
+    (bool: 0 kept, -inf masked) -- what eager SDPA hands the same kernel."""
+    from sbpc.runtime.cuda import BIAS_ALIGNMENT, attention_bias
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.empty(2, 4, 40, 16, dtype=torch.bfloat16), torch.empty(2, 4, 50 if shape[-1] == 50 else 48, 16)
+    mask = torch.rand(shape, generator=g) > 0.3 if dtype == torch.bool else torch.randn(shape, generator=g).to(dtype)
+    bias = attention_bias(mask, q, k)
+    assert bias.shape == (2, 4, 40, k.shape[2]) and bias.dtype == q.dtype and bias.stride(-1) == 1
+    assert all(st % BIAS_ALIGNMENT == 0 for st in bias.stride()[:-1]), bias.stride()
+    want = torch.zeros(shape, dtype=q.dtype).masked_fill(~mask, float("-inf")) if dtype == torch.bool else mask.to(q.dtype)
+    assert torch.equal(bias, want.expand(bias.shape))
+    assert attention_bias(None, q, k) is None
+
+
 # --- the dtype table ------------------------------------------------------------------------
 
 # ncclDataType_t in nccl.h: a second statement of it, not a copy of the table's own lookups
