@@ -36,6 +36,7 @@ import ctypes
 import glob
 import os
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -79,6 +80,14 @@ def _preload_nccl_wheel() -> None:
                 return
             except OSError:
                 continue
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current GPU. A new thread starts on GPU 0, and its
+    first CUDA call (the watchdog's event queries, NCCL's abort) would create a context there:
+    on every rank of a node, memory of GPU 0 that no rank asked for."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class NcclWork:
@@ -154,7 +163,7 @@ class NcclCommunicator(Communicator):
         self.groups: dict[tuple[int, ...], _Group] = {}  # collective groups, by ranks
         self.pairs: dict[tuple[int, int], _Group] = {}  # point to point, by (src, dst)
         self.watchdog = watchdog or Watchdog(self.rank, timeout, abort=self.abort, peer_failure=self._peer_failure,
-                                             async_error=self._async_error)
+                                             async_error=self._async_error, on_start=partial(use_device, device))
         self.watchdog.start()  # before the setup: ncclCommInitRank blocks until every member calls it
         self._make_communicators()
 

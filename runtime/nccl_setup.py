@@ -198,15 +198,18 @@ class Watchdog:
     ``ask_after`` reported a failure (``peer_failure(ranks) -> (rank, message) | None``) or
     ``async_error()`` returns a message. Failing means: record the error, call ``abort()``, and, unless the main thread
     picks the error up (``raise_if_failed``) within ``grace`` seconds, ``on_stuck(error)``
-    (by default: print it and end the process with exit code 2)."""
+    (by default: print it and end the process with exit code 2). ``on_start()`` runs first in
+    the thread (the communicator makes its GPU the thread's current device there)."""
 
     def __init__(self, rank: int, timeout: float, *, abort: Callable[[], None],
                  peer_failure: Callable[[tuple[int, ...]], tuple[int, str] | None] = lambda ranks: None,
                  async_error: Callable[[], str | None] = lambda: None,
                  on_stuck: Callable[[RuntimeFailure], None] | None = None, poll: float = 0.1, grace: float = 10.0,
-                 ask_after: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 ask_after: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_start: Callable[[], None] = lambda: None):
         self.rank, self.timeout, self.poll, self.grace, self.clock = rank, timeout, poll, grace, clock
         self.ask_after = ask_after
+        self.on_start = on_start
         self.abort, self.peer_failure, self.async_error = abort, peer_failure, async_error
         self.on_stuck = on_stuck or _exit_stuck
         self.pending: deque = deque()
@@ -274,6 +277,7 @@ class Watchdog:
         return self.error
 
     def _loop(self) -> None:
+        self.on_start()
         failed_at = None
         while not self._stop.wait(self.poll):
             if self.check_once() is None:

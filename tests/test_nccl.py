@@ -86,6 +86,24 @@ def test_watchdog_thread_ends_a_process_the_abort_did_not_free():
     assert stuck and "no answer from rank 1" in str(stuck[0])
 
 
+def test_watchdog_thread_takes_the_ranks_gpu_before_any_cuda_call(monkeypatch):
+    """The watchdog's thread runs ``on_start`` first, in itself: the communicator's makes the
+    rank's GPU current there (a new thread is on GPU 0, where its event queries and NCCL's
+    abort would create a context on every rank of the node)."""
+    from sbpc.runtime.nccl import use_device
+
+    where = []
+    dog = Watchdog(0, 30.0, abort=lambda: None, poll=0.01, on_start=lambda: where.append(threading.current_thread()))
+    dog.start()
+    dog.stop()
+    assert where == [dog._thread] and where[0] is not threading.current_thread()
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    use_device(torch.device("cuda", 3))
+    use_device(torch.device("cpu"))  # the fake NCCL's ranks: no GPU to pick
+    assert picked == [torch.device("cuda", 3)]
+
+
 # --- the whole NcclCommunicator over a fake NCCL (threads as ranks, CPU memory) -----------
 # What this covers: the communicator's own logic (which communicator a call uses, the NCCL
 # ranks and counts it passes, the layouts, grouped sends, pairs per direction) on CPU. What it
