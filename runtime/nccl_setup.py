@@ -112,7 +112,10 @@ def mine(specs: list[CommSpec], rank: int) -> list[CommSpec]:
 class Layout:
     """How a collective along ``dim`` becomes NCCL's call on flat buffers: ``src`` is the
     contiguous buffer NCCL reads, ``out_shape`` the buffer it writes, ``finish`` turns that
-    buffer into the Communicator's result (a view where it can)."""
+    buffer into the Communicator's result: contiguous, as gloo's (a ``torch.cat``) is. A view
+    with ``dim`` moved back would do for the values, but its strides differ from what the plan's
+    consumers had in eager: a gather along the last dim leaves it strided, which the attention
+    kernels refuse and ``view`` may not take."""
     src: torch.Tensor
     out_shape: tuple[int, ...]
     finish: Callable[[torch.Tensor], torch.Tensor]
@@ -122,14 +125,14 @@ def all_gather_layout(t: torch.Tensor, n: int, dim: int) -> Layout:
     """NCCL concatenates the members' flat buffers: gather along dim 0 of ``t`` with ``dim``
     moved to the front, then move it back."""
     src = t.detach().movedim(dim, 0).contiguous()
-    return Layout(src, (n * src.shape[0], *src.shape[1:]), lambda out: out.movedim(0, dim))
+    return Layout(src, (n * src.shape[0], *src.shape[1:]), lambda out: out.movedim(0, dim).contiguous())
 
 
 def reduce_scatter_layout(t: torch.Tensor, n: int, dim: int) -> Layout:
     """Member i gets the i-th contiguous block of the sum: with ``dim`` in front, block i is
     chunk i along ``dim``."""
     src = t.detach().movedim(dim, 0).contiguous()
-    return Layout(src, (src.shape[0] // n, *src.shape[1:]), lambda out: out.movedim(0, dim))
+    return Layout(src, (src.shape[0] // n, *src.shape[1:]), lambda out: out.movedim(0, dim).contiguous())
 
 
 def all_to_all_layout(t: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> Layout:

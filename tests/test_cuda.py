@@ -286,7 +286,8 @@ def test_all_gather_layout_gives_the_concatenation_in_group_order(dim):
     lays = [all_gather_layout(x, 3, dim) for x in xs]
     flat = torch.cat([lay.src.reshape(-1) for lay in lays])  # ncclAllGather: the members' buffers in rank order
     for lay in lays:
-        assert torch.equal(lay.finish(flat.reshape(lay.out_shape)), torch.cat(xs, dim=dim))
+        got = lay.finish(flat.reshape(lay.out_shape))
+        assert torch.equal(got, torch.cat(xs, dim=dim)) and got.is_contiguous()  # strides as gloo's cat gives
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
@@ -298,7 +299,7 @@ def test_reduce_scatter_layout_gives_this_members_chunk_of_the_sum(dim):
     count = total.numel() // n
     for i, lay in enumerate(lays):
         got = lay.finish(total[i * count:(i + 1) * count].reshape(lay.out_shape))
-        assert torch.equal(got, sum(xs).chunk(n, dim=dim)[i])
+        assert torch.equal(got, sum(xs).chunk(n, dim=dim)[i]) and got.is_contiguous()
 
 
 @pytest.mark.parametrize("split_dim,concat_dim", [(0, 1), (1, 0), (2, 1), (1, 1)])
