@@ -27,7 +27,7 @@ from sbpc.runtime.topology import Topology
 
 aten = torch.ops.aten
 INSTALL_HINT = ("run on a machine with an NVIDIA GPU and a CUDA build of torch "
-                "(pip install -e '.[cuda]' adds CuPy and NCCL), or use --backend cpu")
+                "(pip install -e '.[cuda]' adds CuPy, for NCCL), or use --backend cpu")
 
 
 def require_cuda(ranks: int = 1) -> None:
