@@ -256,7 +256,9 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
     """The CPU kernel walks each tensor's storage in memory order, so a transposed (strided)
     gradient would be read in the wrong order: such a tensor goes in as a contiguous copy (a
     written one is copied back). Plans' gradients are contiguous as a rule (a weight gradient's
-    ``t(t(mm))`` is), so this costs nothing there.
+    ``t(t(mm))`` is), so this costs nothing there. The CUDA kernel also refuses a gradient or
+    state whose strides are not its parameter's, which two contiguous tensors can differ in
+    along a dim of size 1 ((1, 4) as ``(4, 1)`` or ``(1, 1)``): the test is row-major strides.
 
     The plan's ``lr`` is the step's learning rate input, a float64 0-d tensor; the kernel takes a
     number, as torch.optim's ``AdamW(fused=True)`` passes its Python float, so the kernel runs
@@ -270,16 +272,25 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
         kwargs = {**kwargs, "lr": kwargs["lr"].item()}
     args = _float32_steps(args)
     lists = [params, grads, exp_avgs, exp_avg_sqs]
-    if all(t.is_contiguous() for ts in lists for t in ts):
+    if all(_row_major(t) for ts in lists for t in ts):
         kernel(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
         return [*params, *exp_avgs, *exp_avg_sqs]
-    dense = [[t if t.is_contiguous() else t.contiguous() for t in ts] for ts in lists]
+    dense = [[t if _row_major(t) else t.clone(memory_format=torch.contiguous_format) for t in ts] for ts in lists]
     kernel(*dense, *args, **kwargs)
     for k in (0, 2, 3):
         for t, d in zip(lists[k], dense[k]):
             if d is not t:
                 t.copy_(d)
     return [*params, *exp_avgs, *exp_avg_sqs]
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """``t``'s strides are those of a new contiguous tensor of its shape (size-1 dims included)."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return t.stride() == tuple(reversed(expected))
 
 
 def _float32_steps(args: tuple) -> tuple:

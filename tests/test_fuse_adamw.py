@@ -107,3 +107,23 @@ def test_the_kernel_gets_float32_step_counts_as_torch_optim_passes():
     got = cpu(*tensors(), [], [step, step], **kw)
     want = cpu(*tensors(), [], [step.float(), step.float()], **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and not torch.equal(got[0], params[0])
+
+
+def test_every_list_reaches_the_kernel_with_its_parameters_strides():
+    """torch's CUDA kernel refuses a gradient or state whose strides differ from its
+    parameter's; two contiguous (1, 4) tensors can (``(4, 1)`` and ``(1, 1)``): such a one goes
+    in as a row-major copy, and the result is written back to the plan's tensor."""
+    from sbpc.runtime.backend import _fused_adamw
+
+    seen = []
+
+    def kernel(params, grads, exp_avgs, exp_avg_sqs, *a, **k):
+        seen.append([[t.stride() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)])
+        for p in params:
+            p.add_(1.0)
+
+    p, grad = torch.zeros(1, 4), torch.ones(4, 1).t()
+    assert grad.is_contiguous() and grad.stride() != p.stride()
+    m, v = torch.zeros(1, 4), torch.zeros(4, 1).t()
+    out = _fused_adamw(kernel, [p], [grad], [m], [v], [], [torch.tensor(1.0)], lr=1e-3)
+    assert seen == [[[(4, 1)]] * 4] and out[0] is p and out[2] is v and torch.equal(p, torch.ones(1, 4))
