@@ -188,6 +188,26 @@ def test_attention_bias_is_4d_aligned_and_eagers_additive_mask(shape, dtype):
     assert attention_bias(None, q, k) is None
 
 
+def test_check_puts_a_fused_adamws_step_count_where_torch_optim_does():
+    """`sbpc check` loads the plan's state into eager's optimizer: a fused AdamW's step count
+    must be on the parameter's device (its CUDA kernel reads it there; a CPU one is refused, or
+    read through a host pointer), a plain AdamW's on the CPU, as torch.optim makes them."""
+    import types
+
+    from sbpc.compiler.tools.check import step_device
+
+    w = torch.nn.Parameter(torch.ones(3))
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 1))
+    assert step_device(torch.optim.AdamW([w], fused=True), on_gpu) == torch.device("cuda", 1)
+    assert step_device(torch.optim.AdamW([w], capturable=True), on_gpu) == torch.device("cuda", 1)
+    assert step_device(torch.optim.AdamW([w], foreach=False), on_gpu) == torch.device("cpu")
+    for fused in (True, False):  # torch.optim's own choice, on this machine's device
+        opt = torch.optim.AdamW([w], fused=fused, foreach=False)
+        w.grad = torch.ones(3)
+        opt.step()
+        assert opt.state[w]["step"].device == step_device(opt, w) and opt.state[w]["step"].dtype == torch.float32
+
+
 # --- the dtype table ------------------------------------------------------------------------
 
 # ncclDataType_t in nccl.h: a second statement of it, not a copy of the table's own lookups
