@@ -111,10 +111,17 @@ def _flash(q, attn_mask) -> bool:
             and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
+def _last_dim_dense(*ts):
+    """The tensors with a unit stride along the last dim, which both kernels require (eager
+    SDPA falls back to its math kernel otherwise); a copy only where a tensor lacks it."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
 def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
     """``sbpc.attention`` -> (output, logsumexp); the logsumexp only feeds the backward. Flash
     where it applies (as eager SDPA picks it), else the memory-efficient kernel."""
     _no_dropout(dropout_p)
+    q, k, v = _last_dim_dense(q, k, v)
     if _flash(q, attn_mask):
         out, lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, scale=scale)
         return out, lse
@@ -126,6 +133,7 @@ def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
 def attention_backward(grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
     """``sbpc.attention_backward`` -> (grad q, grad k, grad v)."""
     _no_dropout(dropout_p)
+    grad, q, k, v, out = _last_dim_dense(grad, q, k, v, out)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
     if _flash(q, attn_mask):  # not variable-length: no cumulative lengths, the max lengths are the shapes
         return aten._scaled_dot_product_flash_attention_backward.default(

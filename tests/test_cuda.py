@@ -142,7 +142,7 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
     from sbpc.runtime import cuda
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    picked = []
+    picked, firsts = [], []
 
     class Spy:  # stands for torch.ops.aten in runtime/cuda.py, noting which attention it calls
         def __getattr__(self, name):
@@ -153,6 +153,7 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
 
             def call(*a, **k):
                 picked.append(kind)
+                firsts.append(a[0])
                 return real.default(*a, **k)
 
             return type("Op", (), {"default": staticmethod(call)})
@@ -167,6 +168,10 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     with pytest.raises(PlanError, match=r"attention dropout \(p=0.1\) on the cuda backend"):
         cuda.attention(q, k, v, 0.1, True)
+    # a last dim of stride > 1 (which both kernels refuse) reaches them as a dense copy
+    qt = torch.empty(2, 4, 16, 40, device="meta", dtype=dtype).transpose(-1, -2)
+    cuda.attention(qt, k, v, 0.0, not mask, attn_mask=m)
+    assert qt.stride(-1) == 40 and firsts[-1].stride(-1) == 1
 
 
 @pytest.mark.parametrize("shape,dtype", [((40, 50), torch.bool), ((2, 1, 40, 50), torch.float32),
