@@ -256,24 +256,52 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
     """The CPU kernel walks each tensor's storage in memory order, so a transposed (strided)
     gradient would be read in the wrong order: such a tensor goes in as a contiguous copy (a
     written one is copied back). Plans' gradients are contiguous as a rule (a weight gradient's
-    ``t(t(mm))`` is), so this costs nothing there.
+    ``t(t(mm))`` is), so this costs nothing there. The CUDA kernel also refuses a gradient or
+    state whose strides are not its parameter's, which two contiguous tensors can differ in
+    along a dim of size 1 ((1, 4) as ``(4, 1)`` or ``(1, 1)``): the test is row-major strides.
 
     The plan's ``lr`` is the step's learning rate input, a float64 0-d tensor; the kernel takes a
     number, as torch.optim's ``AdamW(fused=True)`` passes its Python float, so the kernel runs
-    torch.optim's float-lr arithmetic (on cuda, reading the value waits for the 8 bytes)."""
+    torch.optim's float-lr arithmetic (on cuda, reading the value waits for the 8 bytes).
+
+    The step counts go in as float32, as torch.optim keeps a fused optimizer's ``step``: the
+    CUDA kernel reads each one's memory as a C float whatever its dtype, so the plan's float64
+    counter would be read as its low 4 bytes (0.0 for every step up to 2^21: a bias correction
+    of 0 and parameters of inf/NaN). The CPU kernel converts; float32 gives it the same value."""
     if isinstance(kwargs.get("lr"), torch.Tensor):
         kwargs = {**kwargs, "lr": kwargs["lr"].item()}
+    args = _float32_steps(args)
     lists = [params, grads, exp_avgs, exp_avg_sqs]
-    if all(t.is_contiguous() for ts in lists for t in ts):
+    if all(_row_major(t) for ts in lists for t in ts):
         kernel(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
         return [*params, *exp_avgs, *exp_avg_sqs]
-    dense = [[t if t.is_contiguous() else t.contiguous() for t in ts] for ts in lists]
+    dense = [[t if _row_major(t) else t.clone(memory_format=torch.contiguous_format) for t in ts] for ts in lists]
     kernel(*dense, *args, **kwargs)
     for k in (0, 2, 3):
         for t, d in zip(lists[k], dense[k]):
             if d is not t:
                 t.copy_(d)
     return [*params, *exp_avgs, *exp_avg_sqs]
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """``t``'s strides are those of a new contiguous tensor of its shape (size-1 dims included)."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return t.stride() == tuple(reversed(expected))
+
+
+def _float32_steps(args: tuple) -> tuple:
+    """``(max_exp_avg_sqs, state_steps)`` with every step a float32 tensor (each distinct
+    tensor converted once: a plan passes its one counter once per parameter)."""
+    if len(args) < 2:
+        return args
+    max_exp_avg_sqs, steps, *rest = args
+    converted: dict[int, torch.Tensor] = {}
+    steps = [converted.setdefault(id(s), s.to(torch.float32)) if s.dtype != torch.float32 else s for s in steps]
+    return (max_exp_avg_sqs, steps, *rest)
 
 
 @lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ from sbpc.runtime.topology import Topology
 
 aten = torch.ops.aten
 INSTALL_HINT = ("run on a machine with an NVIDIA GPU and a CUDA build of torch "
-                "(pip install -e '.[cuda]' adds CuPy and NCCL), or use --backend cpu")
+                "(pip install -e '.[cuda]' adds CuPy, for NCCL), or use --backend cpu")
 
 
 def require_cuda(ranks: int = 1) -> None:
@@ -73,11 +73,28 @@ def local_device() -> torch.device:
     return device
 
 
-def _bias(mask, q):
-    """An attention mask as the additive float bias the memory-efficient kernel takes."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+BIAS_ALIGNMENT = 8  # elements: the memory-efficient kernel's bias rows start at multiples of 8
+
+
+def attention_bias(mask, q, k):
+    """An attention mask as the bias the memory-efficient kernel takes; eager SDPA prepares it
+    the same way before calling that kernel (a direct call must do it itself): additive, in the
+    query's dtype (a bool mask: 0 where kept, -inf elsewhere), every stride but the last a
+    multiple of ``BIAS_ALIGNMENT`` (else copied into a padded buffer and sliced back), and
+    expanded to 4-D (batch, heads, queries, keys): the kernel reads a 2-D or 3-D mask's strides
+    as if it were 4-D, or refuses it."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    else:
+        bias = mask.to(q.dtype)
+    if bias.stride(-1) != 1 or any(st % BIAS_ALIGNMENT for st in bias.stride()[:-1]):
+        keys = bias.shape[-1]
+        padded = torch.zeros((*bias.shape[:-1], -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT), dtype=bias.dtype,
+                             device=bias.device)
+        bias = padded[..., :keys].copy_(bias)
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 def _no_dropout(dropout_p: float) -> None:
@@ -94,27 +111,35 @@ def _flash(q, attn_mask) -> bool:
             and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
+def _last_dim_dense(*ts):
+    """The tensors with a unit stride along the last dim, which both kernels require (eager
+    SDPA falls back to its math kernel otherwise); a copy only where a tensor lacks it."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
 def attention(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
     """``sbpc.attention`` -> (output, logsumexp); the logsumexp only feeds the backward. Flash
     where it applies (as eager SDPA picks it), else the memory-efficient kernel."""
     _no_dropout(dropout_p)
+    q, k, v = _last_dim_dense(q, k, v)
     if _flash(q, attn_mask):
         out, lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, scale=scale)
         return out, lse
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention.default(
-        q, k, v, _bias(attn_mask, q), True, 0.0, is_causal, scale=scale)
+        q, k, v, attention_bias(attn_mask, q, k), True, 0.0, is_causal, scale=scale)
     return out, lse
 
 
 def attention_backward(grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
     """``sbpc.attention_backward`` -> (grad q, grad k, grad v)."""
     _no_dropout(dropout_p)
+    grad, q, k, v, out = _last_dim_dense(grad, q, k, v, out)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
     if _flash(q, attn_mask):  # not variable-length: no cumulative lengths, the max lengths are the shapes
         return aten._scaled_dot_product_flash_attention_backward.default(
             grad, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, seed, offset, scale=scale)
     gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
-        grad, q, k, v, _bias(attn_mask, q), out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
+        grad, q, k, v, attention_bias(attn_mask, q, k), out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
         scale=scale)
     return gq, gk, gv
 

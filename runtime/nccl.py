@@ -36,6 +36,7 @@ import ctypes
 import glob
 import os
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -51,25 +52,28 @@ from sbpc.runtime.topology import Topology
 # --- CuPy and NCCL --------------------------------------------------------------------------
 
 def load_nccl():
-    """``cupy.cuda.nccl``, after putting the NCCL wheel's library (nvidia-nccl-cu12) in the
-    process so CuPy's binding finds it; a one-line UsageError when CuPy or NCCL is missing."""
+    """``cupy.cuda.nccl``, after putting the NCCL wheel's library (nvidia-nccl-cuXX, which a
+    CUDA build of torch depends on) in the process so CuPy's binding finds it; a one-line
+    UsageError when CuPy or NCCL is missing."""
     _preload_nccl_wheel()
     try:
         from cupy.cuda import nccl
     except ImportError as err:
         raise UsageError(f"--backend cuda on more than one GPU needs CuPy's NCCL binding: {err}",
-                         hint="pip install -e '.[cuda]' (cupy-cuda12x and nvidia-nccl-cu12)") from err
+                         hint="pip install -e '.[cuda]' (cupy-cuda12x), beside a CUDA build of torch") from err
     if not getattr(nccl, "available", True):
         raise UsageError("CuPy is installed but cannot load NCCL",
-                         hint="pip install -e '.[cuda]' (nvidia-nccl-cu12), or put libnccl.so.2 on LD_LIBRARY_PATH")
+                         hint="use a CUDA build of torch from pip (it brings nvidia-nccl-cu12 or -cu13), "
+                              "or put libnccl.so.2 on LD_LIBRARY_PATH")
     return nccl
 
 
 def _preload_nccl_wheel() -> None:
     """dlopen the wheel's libnccl.so.2 globally (as torch does for its CUDA wheels): a binding
-    that asks for the soname then gets it even though the wheel's folder is not on the path."""
+    that asks for the soname then gets it even though the wheel's folder is not on the path.
+    Where torch already loaded it, this is the same file and so the same library."""
     try:
-        import nvidia.nccl  # the namespace package of nvidia-nccl-cu12
+        import nvidia.nccl  # the namespace package of nvidia-nccl-cu12 and -cu13 alike
     except ImportError:
         return
     for root in getattr(nvidia.nccl, "__path__", []):
@@ -79,6 +83,14 @@ def _preload_nccl_wheel() -> None:
                 return
             except OSError:
                 continue
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current GPU. A new thread starts on GPU 0, and its
+    first CUDA call (the watchdog's event queries, NCCL's abort) would create a context there:
+    on every rank of a node, memory of GPU 0 that no rank asked for."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class NcclWork:
@@ -154,7 +166,7 @@ class NcclCommunicator(Communicator):
         self.groups: dict[tuple[int, ...], _Group] = {}  # collective groups, by ranks
         self.pairs: dict[tuple[int, int], _Group] = {}  # point to point, by (src, dst)
         self.watchdog = watchdog or Watchdog(self.rank, timeout, abort=self.abort, peer_failure=self._peer_failure,
-                                             async_error=self._async_error)
+                                             async_error=self._async_error, on_start=partial(use_device, device))
         self.watchdog.start()  # before the setup: ncclCommInitRank blocks until every member calls it
         self._make_communicators()
 

@@ -112,7 +112,10 @@ def mine(specs: list[CommSpec], rank: int) -> list[CommSpec]:
 class Layout:
     """How a collective along ``dim`` becomes NCCL's call on flat buffers: ``src`` is the
     contiguous buffer NCCL reads, ``out_shape`` the buffer it writes, ``finish`` turns that
-    buffer into the Communicator's result (a view where it can)."""
+    buffer into the Communicator's result: contiguous, as gloo's (a ``torch.cat``) is. A view
+    with ``dim`` moved back would do for the values, but its strides differ from what the plan's
+    consumers had in eager: a gather along the last dim leaves it strided, which the attention
+    kernels refuse and ``view`` may not take."""
     src: torch.Tensor
     out_shape: tuple[int, ...]
     finish: Callable[[torch.Tensor], torch.Tensor]
@@ -122,14 +125,14 @@ def all_gather_layout(t: torch.Tensor, n: int, dim: int) -> Layout:
     """NCCL concatenates the members' flat buffers: gather along dim 0 of ``t`` with ``dim``
     moved to the front, then move it back."""
     src = t.detach().movedim(dim, 0).contiguous()
-    return Layout(src, (n * src.shape[0], *src.shape[1:]), lambda out: out.movedim(0, dim))
+    return Layout(src, (n * src.shape[0], *src.shape[1:]), lambda out: out.movedim(0, dim).contiguous())
 
 
 def reduce_scatter_layout(t: torch.Tensor, n: int, dim: int) -> Layout:
     """Member i gets the i-th contiguous block of the sum: with ``dim`` in front, block i is
     chunk i along ``dim``."""
     src = t.detach().movedim(dim, 0).contiguous()
-    return Layout(src, (src.shape[0] // n, *src.shape[1:]), lambda out: out.movedim(0, dim))
+    return Layout(src, (src.shape[0] // n, *src.shape[1:]), lambda out: out.movedim(0, dim).contiguous())
 
 
 def all_to_all_layout(t: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> Layout:
@@ -198,15 +201,18 @@ class Watchdog:
     ``ask_after`` reported a failure (``peer_failure(ranks) -> (rank, message) | None``) or
     ``async_error()`` returns a message. Failing means: record the error, call ``abort()``, and, unless the main thread
     picks the error up (``raise_if_failed``) within ``grace`` seconds, ``on_stuck(error)``
-    (by default: print it and end the process with exit code 2)."""
+    (by default: print it and end the process with exit code 2). ``on_start()`` runs first in
+    the thread (the communicator makes its GPU the thread's current device there)."""
 
     def __init__(self, rank: int, timeout: float, *, abort: Callable[[], None],
                  peer_failure: Callable[[tuple[int, ...]], tuple[int, str] | None] = lambda ranks: None,
                  async_error: Callable[[], str | None] = lambda: None,
                  on_stuck: Callable[[RuntimeFailure], None] | None = None, poll: float = 0.1, grace: float = 10.0,
-                 ask_after: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 ask_after: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_start: Callable[[], None] = lambda: None):
         self.rank, self.timeout, self.poll, self.grace, self.clock = rank, timeout, poll, grace, clock
         self.ask_after = ask_after
+        self.on_start = on_start
         self.abort, self.peer_failure, self.async_error = abort, peer_failure, async_error
         self.on_stuck = on_stuck or _exit_stuck
         self.pending: deque = deque()
@@ -274,6 +280,7 @@ class Watchdog:
         return self.error
 
     def _loop(self) -> None:
+        self.on_start()
         failed_at = None
         while not self._stop.wait(self.poll):
             if self.check_once() is None:

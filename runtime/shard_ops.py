@@ -71,7 +71,7 @@ def nll_loss_forward_masked(backend, self, target, weight, reduction, ignore_ind
     terms = -picked * w * hit.to(self.dtype)
     total = w.sum().to(self.dtype)
     if reduction == 0 and self.dim() != 1:  # torch reports no total weight for a batch left unreduced
-        return terms, torch.zeros((), dtype=self.dtype)
+        return terms, torch.zeros((), dtype=self.dtype, device=self.device)
     if reduction == 0:
         return terms, total
     out = terms.sum()

@@ -142,7 +142,7 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
     from sbpc.runtime import cuda
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    picked = []
+    picked, firsts = [], []
 
     class Spy:  # stands for torch.ops.aten in runtime/cuda.py, noting which attention it calls
         def __getattr__(self, name):
@@ -153,6 +153,7 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
 
             def call(*a, **k):
                 picked.append(kind)
+                firsts.append(a[0])
                 return real.default(*a, **k)
 
             return type("Op", (), {"default": staticmethod(call)})
@@ -167,6 +168,49 @@ def test_attention_kernels_call_torchs_ops_with_their_schemas(monkeypatch, dtype
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     with pytest.raises(PlanError, match=r"attention dropout \(p=0.1\) on the cuda backend"):
         cuda.attention(q, k, v, 0.1, True)
+    # a last dim of stride > 1 (which both kernels refuse) reaches them as a dense copy
+    qt = torch.empty(2, 4, 16, 40, device="meta", dtype=dtype).transpose(-1, -2)
+    cuda.attention(qt, k, v, 0.0, not mask, attn_mask=m)
+    assert qt.stride(-1) == 40 and firsts[-1].stride(-1) == 1
+
+
+@pytest.mark.parametrize("shape,dtype", [((40, 50), torch.bool), ((2, 1, 40, 50), torch.float32),
+                                         ((40, 48), torch.bool), ((4, 40, 50), torch.bfloat16)])
+def test_attention_bias_is_4d_aligned_and_eagers_additive_mask(shape, dtype):
+    """What the memory-efficient kernel reads: a bias of the query's dtype, expanded to (batch,
+    heads, queries, keys), its rows starting at multiples of 8 elements, with the mask's values
+    (bool: 0 kept, -inf masked) -- what eager SDPA hands the same kernel."""
+    from sbpc.runtime.cuda import BIAS_ALIGNMENT, attention_bias
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.empty(2, 4, 40, 16, dtype=torch.bfloat16), torch.empty(2, 4, 50 if shape[-1] == 50 else 48, 16)
+    mask = torch.rand(shape, generator=g) > 0.3 if dtype == torch.bool else torch.randn(shape, generator=g).to(dtype)
+    bias = attention_bias(mask, q, k)
+    assert bias.shape == (2, 4, 40, k.shape[2]) and bias.dtype == q.dtype and bias.stride(-1) == 1
+    assert all(st % BIAS_ALIGNMENT == 0 for st in bias.stride()[:-1]), bias.stride()
+    want = torch.zeros(shape, dtype=q.dtype).masked_fill(~mask, float("-inf")) if dtype == torch.bool else mask.to(q.dtype)
+    assert torch.equal(bias, want.expand(bias.shape))
+    assert attention_bias(None, q, k) is None
+
+
+def test_check_puts_a_fused_adamws_step_count_where_torch_optim_does():
+    """`sbpc check` loads the plan's state into eager's optimizer: a fused AdamW's step count
+    must be on the parameter's device (its CUDA kernel reads it there; a CPU one is refused, or
+    read through a host pointer), a plain AdamW's on the CPU, as torch.optim makes them."""
+    import types
+
+    from sbpc.compiler.tools.check import step_device
+
+    w = torch.nn.Parameter(torch.ones(3))
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 1))
+    assert step_device(torch.optim.AdamW([w], fused=True), on_gpu) == torch.device("cuda", 1)
+    assert step_device(torch.optim.AdamW([w], capturable=True), on_gpu) == torch.device("cuda", 1)
+    assert step_device(torch.optim.AdamW([w], foreach=False), on_gpu) == torch.device("cpu")
+    for fused in (True, False):  # torch.optim's own choice, on this machine's device
+        opt = torch.optim.AdamW([w], fused=fused, foreach=False)
+        w.grad = torch.ones(3)
+        opt.step()
+        assert opt.state[w]["step"].device == step_device(opt, w) and opt.state[w]["step"].dtype == torch.float32
 
 
 # --- the dtype table ------------------------------------------------------------------------
@@ -267,7 +311,8 @@ def test_all_gather_layout_gives_the_concatenation_in_group_order(dim):
     lays = [all_gather_layout(x, 3, dim) for x in xs]
     flat = torch.cat([lay.src.reshape(-1) for lay in lays])  # ncclAllGather: the members' buffers in rank order
     for lay in lays:
-        assert torch.equal(lay.finish(flat.reshape(lay.out_shape)), torch.cat(xs, dim=dim))
+        got = lay.finish(flat.reshape(lay.out_shape))
+        assert torch.equal(got, torch.cat(xs, dim=dim)) and got.is_contiguous()  # strides as gloo's cat gives
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
@@ -279,7 +324,7 @@ def test_reduce_scatter_layout_gives_this_members_chunk_of_the_sum(dim):
     count = total.numel() // n
     for i, lay in enumerate(lays):
         got = lay.finish(total[i * count:(i + 1) * count].reshape(lay.out_shape))
-        assert torch.equal(got, sum(xs).chunk(n, dim=dim)[i])
+        assert torch.equal(got, sum(xs).chunk(n, dim=dim)[i]) and got.is_contiguous()
 
 
 @pytest.mark.parametrize("split_dim,concat_dim", [(0, 1), (1, 0), (2, 1), (1, 1)])
@@ -368,7 +413,9 @@ def test_unique_id_wait_names_a_failed_leader():
 def test_the_cuda_extra_and_a_cpu_install_without_cupy():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extra = meta["optional-dependencies"]["cuda"]
-    assert any(r.startswith("cupy-cuda12x") for r in extra) and any(r.startswith("nvidia-nccl-cu12") for r in extra)
+    assert any(r.startswith("cupy-cuda12x") for r in extra)
+    # NCCL comes with torch's CUDA wheel: nvidia-nccl-cu12 and -cu13 write the same libnccl.so.2
+    assert not any(r.startswith("nvidia-nccl") for r in extra)
     assert not any("cupy" in r or "nccl" in r for r in meta["dependencies"])
     assert "torch==2.13.0" in (ROOT / "constraints-cpu.txt").read_text()
 

@@ -82,3 +82,48 @@ def test_not_fused_where_no_one_kernel_is_the_update():
     assert FUSED_ADAMW not in _update_ops(zero) and not zero.optimizer.fused
     dp = compile_model(source, parse_mesh("2x1"), batch_size=8, optimizer=OptimizerConfig()).plan
     assert FUSED_ADAMW in _update_ops(dp) and dp.optimizer.fused  # plain data parallel: fused
+
+
+def test_the_kernel_gets_float32_step_counts_as_torch_optim_passes():
+    """torch's CUDA kernel reads each step tensor's memory as a C float: the plan's float64
+    counter must reach it as float32 (as ``AdamW(fused=True)`` keeps ``step``), one conversion
+    for the counter every parameter shares; the CPU kernel's result is the same either way."""
+    from functools import partial
+
+    from sbpc.runtime.backend import _fused_adamw
+
+    seen = []
+    step = torch.tensor(3.0, dtype=torch.float64)
+    params = [torch.ones(2, 3), torch.ones(4)]
+    tensors = lambda: ([p.clone() for p in params], [torch.full_like(p, 0.5) for p in params],  # noqa: E731
+                       [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params])
+    kw = dict(lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+              amsgrad=False, maximize=False)
+    _fused_adamw(lambda *a, **k: seen.append(a[5]), *tensors(), [], [step, step], **kw)
+    (steps,) = seen
+    assert [s.dtype for s in steps] == [torch.float32] * 2 and steps[0] is steps[1] and float(steps[0]) == 3.0
+    assert step.dtype == torch.float64  # the plan's own counter is left as it is
+    cpu = partial(_fused_adamw, torch.ops.aten._fused_adamw_.default._op)
+    got = cpu(*tensors(), [], [step, step], **kw)
+    want = cpu(*tensors(), [], [step.float(), step.float()], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and not torch.equal(got[0], params[0])
+
+
+def test_every_list_reaches_the_kernel_with_its_parameters_strides():
+    """torch's CUDA kernel refuses a gradient or state whose strides differ from its
+    parameter's; two contiguous (1, 4) tensors can (``(4, 1)`` and ``(1, 1)``): such a one goes
+    in as a row-major copy, and the result is written back to the plan's tensor."""
+    from sbpc.runtime.backend import _fused_adamw
+
+    seen = []
+
+    def kernel(params, grads, exp_avgs, exp_avg_sqs, *a, **k):
+        seen.append([[t.stride() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)])
+        for p in params:
+            p.add_(1.0)
+
+    p, grad = torch.zeros(1, 4), torch.ones(4, 1).t()
+    assert grad.is_contiguous() and grad.stride() != p.stride()
+    m, v = torch.zeros(1, 4), torch.zeros(4, 1).t()
+    out = _fused_adamw(kernel, [p], [grad], [m], [v], [], [torch.tensor(1.0)], lr=1e-3)
+    assert seen == [[[(4, 1)]] * 4] and out[0] is p and out[2] is v and torch.equal(p, torch.ones(1, 4))

@@ -86,6 +86,24 @@ def test_watchdog_thread_ends_a_process_the_abort_did_not_free():
     assert stuck and "no answer from rank 1" in str(stuck[0])
 
 
+def test_watchdog_thread_takes_the_ranks_gpu_before_any_cuda_call(monkeypatch):
+    """The watchdog's thread runs ``on_start`` first, in itself: the communicator's makes the
+    rank's GPU current there (a new thread is on GPU 0, where its event queries and NCCL's
+    abort would create a context on every rank of the node)."""
+    from sbpc.runtime.nccl import use_device
+
+    where = []
+    dog = Watchdog(0, 30.0, abort=lambda: None, poll=0.01, on_start=lambda: where.append(threading.current_thread()))
+    dog.start()
+    dog.stop()
+    assert where == [dog._thread] and where[0] is not threading.current_thread()
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    use_device(torch.device("cuda", 3))
+    use_device(torch.device("cpu"))  # the fake NCCL's ranks: no GPU to pick
+    assert picked == [torch.device("cuda", 3)]
+
+
 # --- the whole NcclCommunicator over a fake NCCL (threads as ranks, CPU memory) -----------
 # What this covers: the communicator's own logic (which communicator a call uses, the NCCL
 # ranks and counts it passes, the layouts, grouped sends, pairs per direction) on CPU. What it
@@ -392,6 +410,40 @@ def test_the_cuda_backend_trains_a_2x2_plan_over_the_fake_nccl(fake_cuda):
         assert got[rank] == pytest.approx(want, rel=1e-6, abs=1e-7), rank
     kinds = {what for (_, _, what) in fake_cuda.fabric.calls}
     assert "allReduce" in kinds, kinds  # the gradients and the loss went through the fake NCCL
+
+
+def test_a_megatron_sp_gpt_on_2x2_trains_over_the_fake_nccl(fake_cuda, monkeypatch):
+    """Tensor parallelism over NcclCommunicator: gathers and reduce-scatters along dims 0 and 1
+    (strided chunks included), coalesced buckets, on dp and tp; the losses are the one-device
+    plan's. Attention runs the CPU kernels here (the CUDA ones need a GPU: tests/test_cuda.py)."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.hints import load_config
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.runtime import cpu, cuda
+    from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.runner import BatchSource, make_runner
+
+    monkeypatch.setattr(cuda, "attention", cpu._attention)
+    monkeypatch.setattr(cuda, "attention_backward", cpu._attention_backward)
+    source = load_model("examples/gpt.py", {"sp": True})
+    one = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig()).plan
+    plan = compile_model(source, parse_mesh("2x2"), batch_size=4, optimizer=OptimizerConfig(),
+                         config=load_config("examples/gpt.megatron.toml")).plan
+    issued = [(i.kwargs["kind"], i.kwargs.get("dim")) for i in plan.stages[0].instructions if i.op == "sbpc.issue"]
+    assert ("all_gather", 1) in issued and ("reduce_scatter", 1) in issued and ("all_gather", 0) in issued
+    batches = [BatchSource(one, 0)(i) for i in range(2)]
+    ref = make_runner(one, make_backend("cpu"), seed=0)
+    want = [ref.step(b).loss for b in batches]
+
+    def body(comm):
+        runner = make_runner(plan, cuda.CudaBackend(comm, comm.topology, device=torch.device("cpu")), seed=0)
+        return [runner.step(b).loss for b in batches]
+
+    got = _on_fake_ranks(fake_cuda, tuple((a.name, a.size) for a in plan.mesh), body, 4)
+    for rank in range(4):
+        assert got[rank] == pytest.approx(want, rel=1e-5), rank
 
 
 def test_pipelined_transfers_are_fifo_per_pair_and_a_plan_that_is_not_is_refused():

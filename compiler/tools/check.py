@@ -201,6 +201,13 @@ def update_scale(eager: torch.Tensor, before: torch.Tensor) -> float:
     return max(step, torch.finfo(eager.dtype).eps * amax(eager), 1e-30)
 
 
+def step_device(opt: torch.optim.Optimizer, p) -> torch.device:
+    """Where torch.optim keeps ``p``'s step count: with the parameter for a fused (or capturable)
+    AdamW, whose CUDA kernel reads it there, else on the CPU (``Adam._init_group``)."""
+    fused = opt.defaults.get("fused") or opt.defaults.get("capturable")
+    return p.device if fused else torch.device("cpu")
+
+
 class Eager:
     """The eager model and its torch.optim optimizer, put in a given state before each step. Under
     bf16 or fp16 the forward runs in torch.autocast, and fp16 scales the loss with a
@@ -266,10 +273,10 @@ class Eager:
                 own_buffers[name].copy_(t)
         step = states.get(str(StateName("step")))
         for name, p in self.named.items():
-            state = {kind: states[str(StateName(kind, name))].clone() for kind in self._kinds()
+            state = {kind: states[str(StateName(kind, name))].to(p.device, copy=True) for kind in self._kinds()
                      if str(StateName(kind, name)) in states}
             if self.kind == "adamw":
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=step_device(self.opt, p))
             self.opt.state[p] = state
 
     def clip(self, norm: float | None = None) -> None:
