@@ -116,7 +116,8 @@ def _try_param(st: SolverState, fp: FreeParam, t: NdSbp, budget: int) -> bool:
     values = set(fp.values) | {v for v, _ in fp.updates}
     saved: dict[int, int] = {}
     set_layout(st, fp, t)
-    _flood(st, dict.fromkeys(fp.values, t), saved, budget)
+    _flood(st, dict.fromkeys(fp.values, t), saved, budget, to_reductions=True)
+    _pull(st, saved, budget)
     nodes = list(saved)
     values |= {u for i in nodes for u in st.uses[i]} | {o for i in nodes for o in st.graph.nodes[i].outputs}
     after = st.cost_of(nodes, values)
@@ -132,3 +133,25 @@ def _try_param(st: SolverState, fp: FreeParam, t: NdSbp, budget: int) -> bool:
         return True
     return False
 
+
+
+def _pull(st: SolverState, saved: dict[int, int], budget: int) -> None:
+    """Upstream of the flood: a value that a changed op takes in another layout than it has is
+    made in that layout by its producer, where one of the producer's candidates does, and so on
+    up (at most ``budget`` ops changed in all). A split weight's gradient is so computed split
+    where it is made, not reduced whole and sliced for the optimizer."""
+    queue = list(saved)
+    while queue and len(saved) < budget:
+        m = queue.pop(0)
+        c = st.cands[m][st.choice[m]]
+        for p, u in enumerate(st.uses[m]):
+            want, q = c.ins[p], st.producer.get(u)
+            if q is None or q in saved or st.sbp[u] == want or st.cls.rep[q] != q:
+                continue
+            j = st.graph.nodes[q].outputs.index(u)
+            fit = [ci for ci in st.options(q) if st.cands[q][ci].outs[j] == want]
+            if not fit:
+                continue
+            saved[q] = st.choice[q]
+            st.choose(q, min(fit, key=lambda ci: (round(st.local_cost(q, st.cands[q][ci]), 15), ci)))
+            queue.append(q)
