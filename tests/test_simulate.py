@@ -184,6 +184,22 @@ def test_check_cluster_plan_matches_eager(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_check_cluster_chosen_parameter_layouts_match_eager(tmp_path, capsys):
+    """Parameters the search split under --cluster (no hint: param_moves), their optimizer state
+    with them, train as eager PyTorch does: `sbpc check` parity on a plan that splits them."""
+    from sbpc.runtime.plan import load_plan
+
+    model = ["examples/gpt.py", "--mesh", "1x2", "--set", "hidden=512", "--cluster", "dgx-a100-80g"]
+    assert main(["compile", *model, "-o", str(tmp_path / "plan.json")]) == 0
+    plan = load_plan(str(tmp_path / "plan.json"))
+    split = {p.name for p in plan.params if p.sbp[1] != "B"}
+    assert "h.0.mlp.c_fc.weight" in split and all(s.sbp == p.sbp for p in plan.params if p.name in split
+                                                     for s in plan.states if s.name.endswith(":" + p.name))
+    capsys.readouterr()
+    assert main(["check", *model]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
 def _calibration():
     """bench/calibration.py, the table's rows and predictions (bench/ is not a package)."""
     import importlib.util

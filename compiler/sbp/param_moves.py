@@ -4,14 +4,14 @@ By default a parameter without a hint is replicated (``B``) on every axis, and t
 it split it locally where they want it split. Its optimizer then updates the whole replica on
 every device, and its gradient is reduced (or gathered) whole. With ``SbpPropagate.param_layouts``
 (``sbpc compile --cluster``) the refinement may also change a parameter's layout: the parameter,
-its optimizer state (which follows it) and the update of both take a new layout together, and
-the ops that read any of them take it as it is, downstream until nothing changes
-(``refine._flood``): the optimizer's chain, and the layer's ops that read the weight. The whole is
-priced at once: a weight's split pays only with the optimizer's work and the gradient's
-reduction it saves, which no single op sees. The targets are the layouts the weight's forward
-and backward readers can take it in; the flood starts from the readers' side, so a weight whose
-readers already take it split (a column-parallel GEMM over a sliced replica) is split at its
-source.
+its optimizer state (which follows it) and the updates of both take a new layout together; the
+ops that read any of them take it as it is, downstream until a result is partial (its
+reduction) or nothing changes (``refine._flood``): the optimizer's chain, the layer's GEMM and
+the views after it; and the producers upstream of the changed ops make what those now take
+(``_pull``): the weight's gradient computed split where it is made, not reduced whole and sliced.
+The whole is priced at once: a weight's split pays only with the optimizer work and the
+gradient reduction it saves, which no single op sees. The targets are the layouts the weight's
+forward and backward readers can take it in.
 """
 from __future__ import annotations
 
@@ -132,7 +132,6 @@ def _try_param(st: SolverState, fp: FreeParam, t: NdSbp, budget: int) -> bool:
                         "for its readers, its optimizer and its gradient"
         return True
     return False
-
 
 
 def _pull(st: SolverState, saved: dict[int, int], budget: int) -> None:
