@@ -61,7 +61,8 @@ def default_pipeline(pipeline: PipelineOptions = PipelineOptions(), recompute: R
     cost = cost_model or AlphaBeta()
     return [Normalize(), Decompose(), CommonSubexpressionElimination(), DeadCodeElimination(), Offload(what=offload), Zero(stage=zero),
             StagePartition(virtual_stages=v, microbatches=pipeline.microbatches),
-            SbpPropagate(cost_model=cost.priced(memory_price), schedule=pipeline.schedule, virtual_stages=v),
+            SbpPropagate(cost_model=cost.priced(memory_price), schedule=pipeline.schedule, virtual_stages=v,
+                         param_layouts=cost_model is not None),
             ClipGrad(max_norm=clip_grad), Boxing(), FuseLogSoftmax(), Coalesce(),
             Recompute(mode=recompute), Localize(), RandomDraws(), Schedule(schedule=pipeline.schedule, virtual_stages=v, cost_model=cost),
             FuseAdamW(), InPlace(), Overlap(), MemoryPlan()]

@@ -53,6 +53,9 @@ class SbpPropagate:
     # micro-batches its schedule keeps in flight (schedule_sim.regsts)
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
+    # whether the search also chooses the layouts of parameters without a hint (param_moves);
+    # off: they are replicated. `sbpc compile --cluster` turns it on
+    param_layouts: bool = False
 
     def apply(self, graph: Graph, ctx) -> Graph:
         axes = graph.mesh.sbp_axes
@@ -83,6 +86,7 @@ class SbpPropagate:
                  for a, s in zip(busy, alone) if axes[a] == MICROBATCH}
         solver = self._solver(graph, rules, sizes, shared, fixed)
         solver.fix_inputs()
+        solver.adopt_params(busy, alone)
         if not solver.combine(busy, alone):
             solver.greedy()
         solver.refine(busy, self.rounds)
@@ -98,7 +102,8 @@ class SbpPropagate:
     def _solver(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...], shared: _Shared, fixed=None) -> Solver:
         classes = shared.classes
         lay = Layouts(graph, rules, sizes, fixed, classes.rep if classes else None, shared.memo)
-        return Solver(graph, lay, sizes, self.cost_model, classes, shared.index, self.in_flight(graph))
+        return Solver(graph, lay, sizes, self.cost_model, classes, shared.index, self.in_flight(graph),
+                      self.param_layouts)
 
     def in_flight(self, graph: Graph) -> dict[int, int]:
         """Pipeline chunk -> the micro-batches whose activations it holds at once (interleaved:

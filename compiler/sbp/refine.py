@@ -217,12 +217,14 @@ def _restore(st: SolverState, saved: dict[int, int]) -> None:
         st.choose(i, ci)
 
 
-def _flood(st: SolverState, made: dict[str, NdSbp], saved: dict[int, int], budget: int) -> None:
+def _flood(st: SolverState, made: dict[str, NdSbp], saved: dict[int, int], budget: int,
+           to_reductions: bool = False) -> None:
     """The readers of the values in ``made`` (value -> its new layout) take them as they are,
     each in its cheapest signature that does, and so on downstream with the results that
     change, at most ``budget`` ops; ``saved`` gets each changed op's choice before. Single
     steps along such a chain cost the same (the conversion one op later), so only the whole
-    flood, priced by the caller, shows where the conversion disappears."""
+    flood, priced by the caller, shows where the conversion disappears. With ``to_reductions``
+    a partial result stops the flood: its readers keep what they take (its reduction)."""
     queue = [m for o in made for m in _readers(st, o)]
     while queue and len(saved) < budget:
         m = queue.pop(0)
@@ -233,7 +235,11 @@ def _flood(st: SolverState, made: dict[str, NdSbp], saved: dict[int, int], budge
         if not fit or st.choice[m] in fit:
             continue
         best = min(fit, key=lambda ci: (round(st.local_cost(m, st.cands[m][ci]), 15), ci))
-        queue += _choose_spreading(st, m, best, made, saved)
+        nxt = _choose_spreading(st, m, best, made, saved)
+        if to_reductions:
+            whole = [o for o in st.graph.nodes[m].outputs if o in made and not any(isinstance(s, Partial) for s in made[o])]
+            nxt = [r for o in whole for r in _readers(st, o)]
+        queue += nxt
 
 
 def _choose_spreading(st: SolverState, m: int, ci: int, made: dict[str, NdSbp], saved: dict[int, int]) -> list[int]:

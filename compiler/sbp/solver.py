@@ -14,6 +14,7 @@ from sbpc.compiler.sbp.axis_use import MAX_PROBE
 from sbpc.compiler.sbp.cost_model import CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses
 from sbpc.compiler.sbp.layout import Layouts, NdSignature
+from sbpc.compiler.sbp.param_moves import free_params, refine_params, set_layout
 from sbpc.compiler.sbp.refine import partials, refine_cascades, refine_hoists, refine_ops, refine_values
 from sbpc.compiler.sbp.graph_index import GraphIndex
 from sbpc.compiler.sbp.state import SolverState
@@ -24,8 +25,9 @@ from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides, format_n
 class Solver:
     def __init__(self, graph: Graph, layouts: Layouts, sizes: tuple[int, ...], model: CostModel,
                  classes: LayerClasses | None = None, index: GraphIndex | None = None,
-                 in_flight: dict[int, int] | None = None):
+                 in_flight: dict[int, int] | None = None, param_layouts: bool = False):
         cls, cands = _tie(graph, layouts, classes)
+        self.param_layouts = param_layouts  # whether the search chooses unhinted parameters' layouts (param_moves)
         self.state = SolverState(graph, layouts, sizes, model, index or GraphIndex.of(graph), cls, cands,
                                  active=cls.active(), tied=dict(cls.members), in_flight=in_flight or {})
         self._hint_filters()
@@ -55,6 +57,8 @@ class Solver:
             st.require(o.value, ("update", o.name), st.sbp[src])
         st.bucket_axes = self._data_axes()
         self._weigh()
+        if self.param_layouts:
+            st.free_params = free_params(st, set(hinted))
 
     def _data_axes(self) -> frozenset[int]:
         """The axes that split the data the weights see before any choice is made: a batch
@@ -239,6 +243,18 @@ class Solver:
                 st.choose(st.cls.rep[idx], picks[st.cls.rep[idx]])
         return True
 
+    def adopt_params(self, busy: list[int], alone: list[Solver]) -> None:
+        """The free parameters take, on each axis, what its one-axis solution chose for them,
+        where the combination divides their shape."""
+        st = self.state
+        for fp in st.free_params:
+            nd = list(st.sbp[fp.value])
+            for a, s in zip(busy, alone):
+                nd[a] = s.state.sbp[fp.value][a]
+            t = st.layouts.intern(tuple(nd))
+            if t != st.sbp[fp.value] and divides(st.types[fp.value].shape, t, st.sizes):
+                set_layout(st, fp, t)
+
     def _first_members(self) -> list[int]:
         """Program order, each layer class at its first member: there every producer has chosen."""
         out, seen = [], set()
@@ -317,6 +333,8 @@ class Solver:
             for a in busy:
                 st.focus = a if len(busy) > 1 else None
                 moved = refine_ops(st) | refine_values(st) | refine_cascades(st) | refine_hoists(st)
+                if st.free_params:
+                    moved |= refine_params(st)
                 # the joint moves' floods are the costliest to try: only where the others are stuck
                 changed |= moved or refine_values(st, flood=True)
             if not changed:

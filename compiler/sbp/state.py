@@ -88,6 +88,8 @@ class SolverState:
     # the axes whose gradient buckets every plan makes: those that split the data (the batch, a
     # hinted activation), where replicated weights' gradients are partial (Solver._data_axes)
     bucket_axes: frozenset[int] = frozenset()
+    # the parameters whose layouts the search chooses (param_moves.FreeParam; none by default)
+    free_params: list = field(default_factory=list)
 
     def __post_init__(self):
         self.axes = self.graph.mesh.sbp_axes
