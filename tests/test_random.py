@@ -148,3 +148,59 @@ def test_a_fused_attention_with_dropout_in_a_pipeline_is_named():
     with pytest.raises(CompileError) as err:
         RandomDraws().apply(g, None)
     assert err.value.message.startswith("sbpc.attention draws random numbers") and "m.py:7" in str(err.value.location)
+
+
+DROPOUT_CALLS = {
+    "F.dropout": lambda t: torch.nn.functional.dropout(t, 0.1),
+    "F.dropout kwargs": lambda t: torch.nn.functional.dropout(t, p=0.3, training=True),
+    "torch.dropout": lambda t: torch.dropout(t, 0.2, True),
+    "nn.Dropout": lambda t: torch.nn.Dropout(0.25)(t),
+    "in place": lambda t: torch.nn.functional.dropout(t * 1.0, 0.4, True, True),
+    "torch.dropout_": lambda t: torch.dropout_(t * 1.0, 0.4, True),
+    "p=1": lambda t: torch.nn.functional.dropout(t, 1.0),
+    "eval": lambda t: torch.nn.functional.dropout(t, 0.5, training=False),
+}
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_CALLS))
+def test_checks_eager_dropout_is_cpu_eagers_bit_for_bit(name):
+    """`sbpc check` runs eager's dropout in its composite form (CompositeDropout) so that on
+    CUDA it draws the plan's mask, not native_dropout's fused one; on the CPU that form must be
+    what torch runs anyway: the same outputs and gradients to the bit from the same seed."""
+    from sbpc.compiler.tools.check_dropout import CompositeDropout
+
+    call = DROPOUT_CALLS[name]
+    x = torch.randn(64, 33, requires_grad=True)
+    torch.manual_seed(3)
+    want = call(x)
+    (g_want,) = torch.autograd.grad(want.sum() * 1.7, x)
+    with CompositeDropout():
+        torch.manual_seed(3)
+        got = call(x)
+        (g_got,) = torch.autograd.grad(got.sum() * 1.7, x)
+    assert torch.equal(got, want) and torch.equal(g_got, g_want)
+
+
+def test_checks_eager_dropout_takes_the_composite_path():
+    """Within CompositeDropout a dropout never reaches torch's dropout (whose CUDA form is the
+    fused kernel): it is bernoulli_, div_ and mul, as the plan captured it."""
+    from torch.overrides import TorchFunctionMode
+
+    from sbpc.compiler.tools.check_dropout import CompositeDropout
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 8)
+    with Record(), CompositeDropout():
+        torch.nn.functional.dropout(x, 0.5)
+        torch.dropout(x, 0.5, True)
+    assert "dropout" not in seen and "bernoulli_" in seen, seen
+    seen.clear()
+    with Record():
+        torch.nn.functional.dropout(x, 0.5)
+    assert seen == ["dropout"]  # without it torch's own dropout runs
