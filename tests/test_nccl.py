@@ -177,8 +177,8 @@ class FakeHandle:
         item = ("recv", (recv, count, dtype), peer)
         if self.grouped is not None:
             self.grouped.append(item)
-        else:
-            self._take(*item[1:])
+        else:  # asynchronous, as on a GPU: it completes on its stream, after the stream's earlier work
+            FakeStream.of(stream).then(lambda: self._take(*item[1:]))
 
     def _post(self, data, peer):
         with self.fabric.cond:
@@ -213,6 +213,34 @@ class FakeHandle:
         pass
 
 
+class FakeGloo:
+    """The communicator's gloo side (broadcasts and gathers of Python objects, the barrier): a
+    meeting per call of every rank, on host memory."""
+
+    def __init__(self, fabric, rank, world):
+        self.fabric, self.rank, self.n, self.seq = fabric, rank, world, 0
+
+    def _meet(self, what, payload):
+        key = ("gloo", self.seq, what)
+        self.seq += 1
+        f = self.fabric
+        with f.cond:
+            f.calls.setdefault(key, {})[self.rank] = payload
+            f.cond.notify_all()
+            assert f.cond.wait_for(lambda: len(f.calls[key]) == self.n, timeout=10), f"gloo {what} never met"
+            return dict(f.calls[key])
+
+    def broadcast(self, t, src):
+        return self._meet("broadcast", t.clone())[src].clone()
+
+    def gather_objects(self, obj, dst=0):
+        parts = self._meet("gather", obj)
+        return [parts[r] for r in range(self.n)] if self.rank == dst else None
+
+    def barrier(self):
+        self._meet("barrier", None)
+
+
 class FakeNccl:
     """The slice of ``cupy.cuda.nccl`` the communicator calls."""
     NCCL_FLOAT32 = 7
@@ -242,21 +270,61 @@ class FakeNccl:
 
 
 class FakeStream:
-    cuda_stream = 0
+    """A CUDA stream of host threads: work queued with ``then`` runs in order, each call after
+    the one before; an event recorded on it is done when the work queued so far is. A receive
+    runs there (asynchronous, as NCCL's is), so a receive posted early does not block the rank."""
+
+    streams: dict[int, "FakeStream"] = {}  # by cuda_stream, the handle NCCL calls get
+
+    def __init__(self):
+        self.cuda_stream = id(self)
+        self.streams[self.cuda_stream] = self
+        self.last: FakeThread | None = None
+
+    @classmethod
+    def of(cls, handle: int) -> "FakeStream":
+        return cls.streams[handle]
+
+    def then(self, fn) -> None:
+        self.last = FakeThread(fn, self.last)
 
     def wait_stream(self, other):
         pass
 
     def wait_event(self, event):
-        pass
+        if event.thread is not None:
+            event.thread.join()
+
+
+class FakeThread:
+    def __init__(self, fn, after):
+        self.error = None
+
+        def run():
+            if after is not None:
+                after.thread.join()
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                self.error = err
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        self.thread.join(30)
+        if self.error is not None:
+            raise self.error
 
 
 class FakeEvent:
+    thread: FakeThread | None = None
+
     def record(self, stream=None):
-        pass
+        self.thread = getattr(stream, "last", None)
 
     def query(self):
-        return True
+        return self.thread is None or not self.thread.thread.is_alive()
 
 
 @pytest.fixture
@@ -286,7 +354,7 @@ def _on_fake_ranks(fake, axes, body, world):
     def rank_main(rank):
         try:
             comm = NcclCommunicator(Topology(axes, rank), torch.device("cpu"), store=tcp_client(master), timeout=10,
-                                    nccl=fake)
+                                    nccl=fake, gloo=FakeGloo(fake.fabric, rank, world))
             try:
                 results[rank] = body(comm)
             finally:
@@ -360,6 +428,23 @@ def test_nccl_communicator_refuses_a_group_it_has_not(fake_cuda):
         return True
 
     assert _on_fake_ranks(fake_cuda, (("dp", 2),), lambda c: body(c) if c.rank == 0 else True, 2) == {0: True, 1: True}
+
+
+def test_nccl_communicator_refuses_a_tensor_off_its_device(fake_cuda):
+    """NCCL reads raw pointers as device memory: a tensor elsewhere (a host value that a
+    pipeline forgot to move; here the meta device stands for it) is one line naming the call."""
+    def send(comm):
+        with pytest.raises(RuntimeFailure, match=r"send of %x over .* a tensor in meta memory, where NCCL moves cpu's"):
+            comm.send(torch.ones(2, device="meta"), 1 - comm.rank, what="send of %x")
+        return True
+
+    def all_reduce(comm):
+        with pytest.raises(RuntimeFailure, match="all_reduce over .* a tensor in meta memory"):
+            comm.all_reduce(torch.ones(2, device="meta"), (0, 1))
+        return True
+
+    assert _on_fake_ranks(fake_cuda, (("pp", 2), ("dp", 1)), send, 2) == {0: True, 1: True}
+    assert _on_fake_ranks(fake_cuda, (("dp", 2),), all_reduce, 2) == {0: True, 1: True}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -477,3 +562,45 @@ def test_pipelined_transfers_are_fifo_per_pair_and_a_plan_that_is_not_is_refused
     assert why is not None and why.startswith("stage 0 -> stage 1: transfer 0 is sent as %") and "micro-batch 0" in why
     with pytest.raises(PlanError, match="not first-in first-out, which NCCL needs: stage 0 -> stage 1"):
         require_fifo_transfers(swapped)
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_an_interleaved_pipeline_trains_over_the_fake_nccl(fake_cuda, monkeypatch, offload):
+    """Pipeline parallelism over NcclCommunicator: every activation, gradient and optimizer
+    scalar crosses stages as an NCCL send and receive on the pair's own communicator, matched
+    in issue order (the fake's mailboxes are first-in first-out, as NCCL is: no tags), posted
+    one task early; interleaved, 2 chunks a stage, 4 micro-batches; the losses are the
+    one-device plan's."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime import cpu, cuda
+    from sbpc.runtime.backend import Backend, make_backend
+    from sbpc.runtime.kinds import ScheduleName
+    from sbpc.runtime.runner import BatchSource, make_runner
+
+    monkeypatch.setattr(cuda, "attention", cpu._attention)
+    monkeypatch.setattr(cuda, "attention_backward", cpu._attention_backward)
+    monkeypatch.setattr(cuda.CudaBackend, "to_host", Backend.to_host)  # pinned memory needs a GPU
+    source = load_model("examples/gpt.py", {"layers": 4})
+    memory = MemoryOptions(offload=offload)
+    one = compile_model(source, parse_mesh("1"), batch_size=8, optimizer=OptimizerConfig(), memory=memory).plan
+    plan = compile_model(source, parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(), memory=memory,
+                         pipeline=PipelineOptions(ScheduleName.INTERLEAVED, virtual_stages=2, microbatches=4)).plan
+    cuda.require_fifo_transfers(plan)
+    batches = [BatchSource(one, 0)(i) for i in range(2)]
+    ref = make_runner(one, make_backend("cpu"), seed=0)
+    want = [ref.step(b).loss for b in batches]
+
+    def body(comm):
+        runner = make_runner(plan, cuda.CudaBackend(comm, comm.topology, device=torch.device("cpu")), seed=0)
+        return [runner.step(b).loss for b in batches]
+
+    got = _on_fake_ranks(fake_cuda, tuple((a.name, a.size) for a in plan.mesh), body, 2)
+    for rank in range(2):
+        assert got[rank] == pytest.approx(want, rel=1e-5), rank
+    sends = [k for k in fake_cuda.fabric.mail]
+    assert sends and all(not box for box in fake_cuda.fabric.mail.values())  # every send was received
