@@ -53,7 +53,7 @@ from sbpc.runtime.kinds import Precision
 from sbpc.runtime.plan import Plan, PrecisionSpec
 from sbpc.runtime.precision import LOSS_SCALE, autocast
 from sbpc.compiler.tools.check_amp import LossScaler
-from sbpc.compiler.tools.check_dropout import CompositeDropout
+from sbpc.compiler.tools.check_dropout import plan_dropout
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
 # A gradient is compared on its own scale unless that is below 1e-3 of the step's largest
@@ -310,7 +310,7 @@ def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Preci
                       scaler: LossScaler | None = None, opt=None) -> torch.Tensor:
     torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
     device = next(model.parameters(), torch.empty(0)).device
-    with autocast(precision, device.type), CompositeDropout():  # the plan's dropout masks on CUDA too
+    with autocast(precision, device.type), plan_dropout(device):  # on a GPU, the plan's dropout masks
         loss = model(*batch)
     if scaler is None:
         loss.backward()
