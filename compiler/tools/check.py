@@ -164,8 +164,10 @@ class CheckReport:
 
 
 def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
-    """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal)."""
-    a, b = a.detach().double(), b.detach().double()
+    """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal). On
+    ``a``'s device: the plan's loss comes as a number (a CPU tensor of it) and eager's is on
+    the GPU, which ``torch.equal`` (the nan test) refuses."""
+    a, b = a.detach().double(), b.detach().double().to(a.device)
     if a.shape != b.shape:
         return float("inf")
     diff = float((a - b).abs().max()) if b.numel() else 0.0
