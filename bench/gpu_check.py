@@ -4,7 +4,8 @@
     python bench/gpu_check.py           # --quick: a small GPT instead of the 1.3B preset
 
 1. parity: `sbpc check examples/gpt.py --backend cuda` (the plan against eager PyTorch, both
-   on this GPU, fp32, docs/check.md), for the tiny GPT and the MLP;
+   on this GPU, fp32, docs/check.md), for the tiny GPT and the MLP; the GPT also with dropout,
+   in bf16, and in fp16 with the optimizer offloaded to the CPU;
 2. NCCL on one rank: a one-rank NCCL communicator (``runtime.nccl.self_communicator``) runs
    all_reduce, all_gather, reduce_scatter and all_to_all on its communication stream, and a
    send to itself with the matching receive (in one NCCL group call, as NCCL requires), in
@@ -33,19 +34,29 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, 
                     "L4": 121.0, "A10": 125.0, "RTX 4090": 165.0}  # dense, no sparsity
 
 
+PARITY = (  # model, flags of `sbpc check --backend cuda`
+    ("examples/gpt.py", []),
+    ("examples/mlp.py", []),
+    ("examples/gpt.py", ["--set", "dropout=0.1"]),  # eager draws the plan's masks (compiler/tools/check_dropout.py)
+    ("examples/gpt.py", ["--precision", "bf16"]),
+    # the optimizer on the CPU (pinned copies) beside CUDA parameters, and fp16's loss scaling
+    ("examples/gpt.py", ["--precision", "fp16", "--offload", "optimizer"]),
+)
+
+
 def fail(message: str) -> None:
     print(f"gpu_check: FAIL: {message}", flush=True)
 
 
 def parity(args) -> bool:
     ok = True
-    for model, sets in (("examples/gpt.py", []), ("examples/mlp.py", [])):
+    for model, sets in PARITY:
         cmd = [sys.executable, "-m", "sbpc.cli", "check", model, "--backend", "cuda", "--steps", "3", *sets]
         print("$", " ".join(cmd[2:]), flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         print(proc.stdout + proc.stderr, end="", flush=True)
         if proc.returncode != 0:
-            fail(f"parity of {model} on cuda (exit {proc.returncode})")
+            fail(f"parity of {model} {' '.join(sets)} on cuda (exit {proc.returncode})".replace("  ", " "))
             ok = False
     return ok
 

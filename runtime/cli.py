@@ -233,10 +233,11 @@ def check_backend(name: str, ranks: int, plan=None) -> None:
 
     check_backend_name(name)
     if name == "cuda":
-        from sbpc.runtime.cuda import require_cuda, require_fifo_transfers
+        from sbpc.runtime.cuda import require_cuda, require_cuda_kernels, require_fifo_transfers
 
         require_cuda(ranks)
         if plan is not None:
+            require_cuda_kernels(plan)
             require_fifo_transfers(plan)
 
 

@@ -61,6 +61,27 @@ def require_fifo_transfers(plan) -> None:
                         hint="run it on --backend cpu (gloo matches transfers by tag), or recompile with another schedule")
 
 
+_DROPOUT_AT = {"sbpc.attention": 3, "sbpc.attention_backward": 6}  # op -> position of dropout_p
+
+
+def require_cuda_kernels(plan) -> None:
+    """What the cuda kernels would refuse at the first step, refused before any rank starts
+    (not after every rank has set up NCCL and made its weights): attention with dropout, and
+    random ops in a pipelined plan."""
+    for prog in plan.stages:
+        for ins in prog.instructions:
+            at = _DROPOUT_AT.get(ins.op)
+            p = ins.args[at] if at is not None and len(ins.args) > at else ins.kwargs.get("dropout_p", 0.0)
+            try:
+                if at is not None and isinstance(p, (int, float)) and p:
+                    _no_dropout(p)
+                if ins.op == RANDOM_SHARD and ins.kwargs.get("draw") is not None:
+                    _random_shard(None, draw=ins.kwargs["draw"])
+            except PlanError as err:
+                err.location = str(ins.loc) if ins.loc else None
+                raise
+
+
 def local_device() -> torch.device:
     """This rank's GPU: ``cuda:LOCAL_RANK`` (0 when no launcher set it)."""
     require_cuda()

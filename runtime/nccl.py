@@ -239,6 +239,11 @@ class NcclCommunicator(Communicator):
         """Run ``call(stream_handle)`` on the group's stream once the compute stream has made the
         inputs; returns the work whose event the result's users wait on."""
         self.watchdog.raise_if_failed()
+        for t in (*inputs, *outputs):  # NCCL takes raw pointers: a host one would be read as device memory
+            if t.device != self.device:
+                raise RuntimeFailure(f"{op} over {group.spec.what} on rank {self.rank}: a tensor in {t.device} memory, "
+                                     f"where NCCL moves {self.device}'s only",
+                                     hint="this is a bug in sbpc (a host value must be moved to the device first); report it")
         stream = group.stream
         stream.wait_stream(self.compute)
         for t in (*inputs, *outputs):

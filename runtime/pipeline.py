@@ -17,7 +17,8 @@ import torch
 from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
-from sbpc.runtime.pipeline_tasks import Body, Item, Task, TaskGraph, fmt, replay
+from sbpc.runtime.kinds import MemoryKind
+from sbpc.runtime.pipeline_tasks import TRANSFER, Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, GRAD_NORM, Instruction, Plan, RefArg
 from sbpc.runtime.runner import LocalBatch, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
@@ -95,6 +96,18 @@ def fifo_mismatch(plan: Plan) -> str | None:
     return None
 
 
+def host_transfers(plan: Plan) -> frozenset[str]:
+    """The transfers whose value lives in host memory: under optimizer offload, scalars the
+    optimizer makes on the host and a later stage's optimizer reads there (a bias correction
+    from the shared step counter; fp16's skip verdict). gloo sends CPU tensors as they are;
+    NCCL reads and writes device memory only, so the runner moves such a value to the device
+    to send it and back to the host where it is received (``PipelineRunner._send``/``_receive``)."""
+    host = {s.value for s in [*plan.params, *plan.buffers, *plan.states] if s.memory == MemoryKind.HOST}
+    host |= {o for prog in plan.stages for ins in prog.instructions if ins.memory == MemoryKind.HOST for o in ins.outs}
+    return frozenset(ins.outs[0] for prog in plan.stages for ins in prog.instructions
+                     if ins.op == TRANSFER and ins.args and isinstance(ins.args[0], RefArg) and ins.args[0].ref in host)
+
+
 class PipelineRunner(Runner):
     def __init__(self, plan: Plan, backend: Backend, *, seed: int = 0, weights: dict[str, torch.Tensor] | None = None,
                  timeline: bool = False):
@@ -118,6 +131,7 @@ class PipelineRunner(Runner):
         self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
                            for it in b.kernels + b.recvs + b.reads for o in it.outs}
         self._tags = {s.out: s.tag for ss in self.graph.sends.values() for s in ss}  # one per transfer
+        self._host_transfers = host_transfers(plan)
         self.steps = 0
         self._last_of_mb = self._last_tasks()
         self._stage_cache: dict[str, int] = {}
@@ -215,7 +229,13 @@ class PipelineRunner(Runner):
     def _receive(self, task: Task, body: Body, env, local, posted) -> None:
         for it in body.recvs:
             key = (it.outs[0], task.mb)
-            env[it.outs[0]] = local.pop(key) if it.src % self.p == self.stage else posted.pop(key).wait()
+            if it.src % self.p == self.stage:
+                env[it.outs[0]] = local.pop(key)
+                continue
+            value = posted.pop(key).wait()
+            if it.outs[0] in self._host_transfers and value.device.type != "cpu":  # came over NCCL
+                value = self.backend.to_host(value)
+            env[it.outs[0]] = value
 
     def _send(self, task: Task, env, local) -> list:
         pending = []
@@ -223,8 +243,11 @@ class PipelineRunner(Runner):
             if s.dst_chunk % self.p == self.stage:
                 local[(s.out, task.mb)] = env[s.value]
                 continue
+            value = env[s.value]
+            if value.device != self.backend.device:  # a host value (host_transfers) on a GPU rank: NCCL sends device memory
+                value = self.backend.to_device(value)
             pending.append(self.backend.communicator.send(
-                env[s.value], self._peer(s.dst_chunk), self._tag(s.out, task.mb),
+                value, self._peer(s.dst_chunk), self._tag(s.out, task.mb),
                 what=f"send of %{s.value} from {fmt(task)} on stage {self.stage}"))
         return pending
 

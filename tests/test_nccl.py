@@ -3,16 +3,16 @@ CPU memory, so the communicator's bookkeeping, streams/events protocol, issued w
 cuda backend's end-to-end training run without a GPU (tests/test_cuda.py has the rest)."""
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 
 import pytest
 import torch
 
-from conftest import compile_example, tcp_client, tcp_store
+from conftest import compile_example
+from fake_nccl import _on_fake_ranks, fake_cuda  # noqa: F401 - fake_cuda is a fixture
 from sbpc.errors import PlanError, RuntimeFailure
-from sbpc.runtime.nccl_setup import NCCL_TYPES, CommSpec, Watchdog
+from sbpc.runtime.nccl_setup import CommSpec, Watchdog
 from sbpc.runtime.topology import Topology
 
 
@@ -104,205 +104,6 @@ def test_watchdog_thread_takes_the_ranks_gpu_before_any_cuda_call(monkeypatch):
     assert picked == [torch.device("cuda", 3)]
 
 
-# --- the whole NcclCommunicator over a fake NCCL (threads as ranks, CPU memory) -----------
-# What this covers: the communicator's own logic (which communicator a call uses, the NCCL
-# ranks and counts it passes, the layouts, grouped sends, pairs per direction) on CPU. What it
-# cannot: CuPy's real signatures, CUDA streams and events (faked as no-ops), NCCL itself.
-
-class FakeFabric:
-    """NCCL's semantics on host memory: communicators meet by unique id; a collective waits for
-    every member's call with the same sequence number; sends go to a mailbox per (comm, src, dst)."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.members: dict[tuple, dict[int, "FakeHandle"]] = {}
-        self.calls: dict[tuple, dict[int, tuple]] = {}
-        self.mail: dict[tuple, list] = {}
-
-
-DTYPE_OF = {e.value: d for d, e in NCCL_TYPES.items() if d != torch.bool}
-
-
-def _read(ptr, count, dtype):
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(bytearray(ctypes.string_at(ptr, nbytes)), dtype=dtype).clone()
-
-
-def _write(ptr, t):
-    data = t.contiguous().view(torch.uint8).numpy().tobytes()
-    ctypes.memmove(ptr, data, len(data))
-
-
-class FakeHandle:
-    def __init__(self, fabric, n, uid, rank):
-        self.fabric, self.n, self.uid, self.rank, self.seq = fabric, n, tuple(uid), rank, 0
-        self.grouped = None
-        with fabric.cond:  # ncclCommInitRank: blocks until every member called it
-            fabric.members.setdefault(self.uid, {})[rank] = self
-            fabric.cond.notify_all()
-            assert fabric.cond.wait_for(lambda: len(fabric.members[self.uid]) == n, timeout=10), "init never met"
-
-    def _meet(self, what, payload):
-        key = (self.uid, self.seq, what)
-        self.seq += 1
-        f = self.fabric
-        with f.cond:
-            f.calls.setdefault(key, {})[self.rank] = payload
-            f.cond.notify_all()
-            assert f.cond.wait_for(lambda: len(f.calls[key]) == self.n, timeout=10), f"{what} never met"
-            return dict(f.calls[key])
-
-    def allReduce(self, send, recv, count, dtype, op, stream):
-        parts = self._meet("allReduce", _read(send, count, DTYPE_OF[dtype]))
-        stacked = torch.stack([parts[r] for r in range(self.n)])
-        _write(recv, stacked.sum(0) if op == 0 else stacked.amax(0))
-
-    def allGather(self, send, recv, count, dtype, stream):
-        parts = self._meet("allGather", _read(send, count, DTYPE_OF[dtype]))
-        _write(recv, torch.cat([parts[r] for r in range(self.n)]))
-
-    def reduceScatter(self, send, recv, count, dtype, op, stream):
-        parts = self._meet("reduceScatter", _read(send, count * self.n, DTYPE_OF[dtype]))
-        total = torch.stack([parts[r] for r in range(self.n)]).sum(0)
-        _write(recv, total[self.rank * count:(self.rank + 1) * count])
-
-    def send(self, send, count, dtype, peer, stream):
-        item = ("send", _read(send, count, DTYPE_OF[dtype]), peer)
-        if self.grouped is not None:
-            self.grouped.append(item)
-        else:
-            self._post(*item[1:])
-
-    def recv(self, recv, count, dtype, peer, stream):
-        item = ("recv", (recv, count, dtype), peer)
-        if self.grouped is not None:
-            self.grouped.append(item)
-        else:
-            self._take(*item[1:])
-
-    def _post(self, data, peer):
-        with self.fabric.cond:
-            self.fabric.mail.setdefault((self.uid, self.rank, peer), []).append(data)
-            self.fabric.cond.notify_all()
-
-    def _take(self, where, peer):
-        recv, count, dtype = where
-        box = (self.uid, peer, self.rank)
-        with self.fabric.cond:
-            assert self.fabric.cond.wait_for(lambda: self.fabric.mail.get(box), timeout=10), "recv never matched"
-            data = self.fabric.mail[box].pop(0)
-        assert data.numel() == count and data.dtype == DTYPE_OF[dtype], "send and recv disagree"
-        _write(recv, data)
-
-    def flush(self):
-        items, self.grouped = self.grouped, None
-        for kind, payload, peer in items:  # a group call: every send first, then the receives
-            if kind == "send":
-                self._post(payload, peer)
-        for kind, payload, peer in items:
-            if kind == "recv":
-                self._take(payload, peer)
-
-    def abort(self):
-        pass
-
-    def destroy(self):
-        pass
-
-    def check_async_error(self):
-        pass
-
-
-class FakeNccl:
-    """The slice of ``cupy.cuda.nccl`` the communicator calls."""
-    NCCL_FLOAT32 = 7
-
-    def __init__(self, form=tuple):
-        self.fabric, self.local, self.form = FakeFabric(), threading.local(), form
-        self.counter = iter(range(1, 10 ** 6))
-
-    def get_unique_id(self):
-        k = next(self.counter)
-        uid = tuple(((k * 7 + i) % 256) - 128 for i in range(128))
-        return uid if self.form is tuple else bytes(b + 128 for b in uid)
-
-    def NcclCommunicator(self, n, uid, rank):  # noqa: N802 - CuPy's name
-        assert isinstance(uid, self.form), f"this CuPy takes a {self.form.__name__} id, not {type(uid).__name__}"
-        handle = FakeHandle(self.fabric, n, uid, rank)
-        self.local.handles = getattr(self.local, "handles", []) + [handle]
-        return handle
-
-    def groupStart(self):  # noqa: N802
-        for h in self.local.handles:
-            h.grouped = []
-
-    def groupEnd(self):  # noqa: N802
-        for h in self.local.handles:
-            h.flush()
-
-
-class FakeStream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
-class FakeEvent:
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    import contextlib
-    import sys
-    import types
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: FakeStream())
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(use=lambda: None))
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    return FakeNccl()
-
-
-def _on_fake_ranks(fake, axes, body, world):
-    """``body(comm)`` on every rank of ``axes``, each rank a thread with its NcclCommunicator."""
-    from sbpc.runtime.nccl import NcclCommunicator
-
-    master = tcp_store(world)
-    results, errors = {}, []
-
-    def rank_main(rank):
-        try:
-            comm = NcclCommunicator(Topology(axes, rank), torch.device("cpu"), store=tcp_client(master), timeout=10,
-                                    nccl=fake)
-            try:
-                results[rank] = body(comm)
-            finally:
-                comm.close()
-        except Exception as err:  # noqa: BLE001
-            errors.append((rank, err))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize("form", [tuple, bytes], ids=["older-cupy-tuple-id", "newer-cupy-bytes-id"])
 def test_nccl_communicator_collectives_on_a_dp_tp_mesh(fake_cuda, form):
     fake_cuda.form = form
@@ -360,6 +161,23 @@ def test_nccl_communicator_refuses_a_group_it_has_not(fake_cuda):
         return True
 
     assert _on_fake_ranks(fake_cuda, (("dp", 2),), lambda c: body(c) if c.rank == 0 else True, 2) == {0: True, 1: True}
+
+
+def test_nccl_communicator_refuses_a_tensor_off_its_device(fake_cuda):
+    """NCCL reads raw pointers as device memory: a tensor elsewhere (a host value that a
+    pipeline forgot to move; here the meta device stands for it) is one line naming the call."""
+    def send(comm):
+        with pytest.raises(RuntimeFailure, match=r"send of %x over .* a tensor in meta memory, where NCCL moves cpu's"):
+            comm.send(torch.ones(2, device="meta"), 1 - comm.rank, what="send of %x")
+        return True
+
+    def all_reduce(comm):
+        with pytest.raises(RuntimeFailure, match="all_reduce over .* a tensor in meta memory"):
+            comm.all_reduce(torch.ones(2, device="meta"), (0, 1))
+        return True
+
+    assert _on_fake_ranks(fake_cuda, (("pp", 2), ("dp", 1)), send, 2) == {0: True, 1: True}
+    assert _on_fake_ranks(fake_cuda, (("dp", 2),), all_reduce, 2) == {0: True, 1: True}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -477,3 +295,45 @@ def test_pipelined_transfers_are_fifo_per_pair_and_a_plan_that_is_not_is_refused
     assert why is not None and why.startswith("stage 0 -> stage 1: transfer 0 is sent as %") and "micro-batch 0" in why
     with pytest.raises(PlanError, match="not first-in first-out, which NCCL needs: stage 0 -> stage 1"):
         require_fifo_transfers(swapped)
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_an_interleaved_pipeline_trains_over_the_fake_nccl(fake_cuda, monkeypatch, offload):
+    """Pipeline parallelism over NcclCommunicator: every activation, gradient and optimizer
+    scalar crosses stages as an NCCL send and receive on the pair's own communicator, matched
+    in issue order (the fake's mailboxes are first-in first-out, as NCCL is: no tags), posted
+    one task early; interleaved, 2 chunks a stage, 4 micro-batches; the losses are the
+    one-device plan's."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.memory_options import MemoryOptions
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime import cpu, cuda
+    from sbpc.runtime.backend import Backend, make_backend
+    from sbpc.runtime.kinds import ScheduleName
+    from sbpc.runtime.runner import BatchSource, make_runner
+
+    monkeypatch.setattr(cuda, "attention", cpu._attention)
+    monkeypatch.setattr(cuda, "attention_backward", cpu._attention_backward)
+    monkeypatch.setattr(cuda.CudaBackend, "to_host", Backend.to_host)  # pinned memory needs a GPU
+    source = load_model("examples/gpt.py", {"layers": 4})
+    memory = MemoryOptions(offload=offload)
+    one = compile_model(source, parse_mesh("1"), batch_size=8, optimizer=OptimizerConfig(), memory=memory).plan
+    plan = compile_model(source, parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(), memory=memory,
+                         pipeline=PipelineOptions(ScheduleName.INTERLEAVED, virtual_stages=2, microbatches=4)).plan
+    cuda.require_fifo_transfers(plan)
+    batches = [BatchSource(one, 0)(i) for i in range(2)]
+    ref = make_runner(one, make_backend("cpu"), seed=0)
+    want = [ref.step(b).loss for b in batches]
+
+    def body(comm):
+        runner = make_runner(plan, cuda.CudaBackend(comm, comm.topology, device=torch.device("cpu")), seed=0)
+        return [runner.step(b).loss for b in batches]
+
+    got = _on_fake_ranks(fake_cuda, tuple((a.name, a.size) for a in plan.mesh), body, 2)
+    for rank in range(2):
+        assert got[rank] == pytest.approx(want, rel=1e-5), rank
+    sends = [k for k in fake_cuda.fabric.mail]
+    assert sends and all(not box for box in fake_cuda.fabric.mail.values())  # every send was received

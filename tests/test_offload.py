@@ -156,3 +156,35 @@ def test_advice_proposes_offload_when_it_is_the_cheapest_change_that_fits(tmp_pa
     assert out.returncode == 2
     assert "its biggest term is optimizer" in out.stderr
     assert "hint: the cheapest change that fits: --offload optimizer (" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_pipelined_offload_transfers_host_values_to_host_readers(precision):
+    """Under offload a pipeline sends values the optimizer makes on the host (a bias correction
+    from the shared step counter, fp16's skip verdict, the new counter itself) to another
+    stage's host optimizer or host state.
+    ``host_transfers`` names exactly those: the receiver puts them back in host memory after
+    NCCL (which moves device memory only) and every reader of them runs on the host, while every
+    other transfer (activations, gradients) has device readers only."""
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime.kinds import Precision
+    from sbpc.runtime.pipeline import host_transfers, instruction_uses
+    from sbpc.runtime.pipeline_tasks import TRANSFER
+
+    source = load_model("examples/gpt.py", {})
+    plan = compile_model(source, parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(),
+                         memory=MemoryOptions(offload="optimizer", precision=Precision(precision)),
+                         pipeline=PipelineOptions(microbatches=2)).plan
+    host = host_transfers(plan)
+    transfers = {o for st in plan.stages for ins in st.instructions if ins.op == TRANSFER for o in ins.outs}
+    specs = {s.name: s for s in [*plan.params, *plan.states]}
+    # a transfer's readers: the instructions that read it, and the state or parameter it becomes
+    # on a stage that holds a copy (a replica: the shared step counter, a tied weight)
+    readers = {t: {ins.memory for st in plan.stages for ins in st.instructions if t in instruction_uses(ins)}
+               | {specs[r.name].memory for r in plan.pipeline.replicas if r.value == t} for t in transfers}
+    assert host and host < transfers
+    for t in transfers:
+        assert readers[t] == ({MemoryKind.HOST} if t in host else {MemoryKind.DEVICE}), (t, readers[t])
+    on_device = compile_model(source, parse_mesh("1x1x2"), batch_size=8, optimizer=OptimizerConfig(),
+                              pipeline=PipelineOptions(microbatches=2)).plan
+    assert not host_transfers(on_device)

@@ -148,3 +148,115 @@ def test_a_fused_attention_with_dropout_in_a_pipeline_is_named():
     with pytest.raises(CompileError) as err:
         RandomDraws().apply(g, None)
     assert err.value.message.startswith("sbpc.attention draws random numbers") and "m.py:7" in str(err.value.location)
+
+
+
+DROPOUT_CALLS = {
+    "F.dropout": lambda t: torch.nn.functional.dropout(t, 0.1),
+    "F.dropout kwargs": lambda t: torch.nn.functional.dropout(t, p=0.3, training=True),
+    "torch.dropout": lambda t: torch.dropout(t, 0.2, True),
+    "nn.Dropout": lambda t: torch.nn.Dropout(0.25)(t),
+    "in place": lambda t: torch.nn.functional.dropout(t * 1.0, 0.4, True, True),
+    "torch.dropout_": lambda t: torch.dropout_(t * 1.0, 0.4, True),
+    "p=1": lambda t: torch.nn.functional.dropout(t, 1.0),
+    "eval": lambda t: torch.nn.functional.dropout(t, 0.5, training=False),
+    "attention": lambda t: torch.nn.functional.scaled_dot_product_attention(
+        t.view(2, 2, 16, 33), t.view(2, 2, 16, 33), t.view(2, 2, 16, 33), dropout_p=0.2, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_CALLS))
+def test_checks_eager_dropout_on_a_gpu_is_cpu_eagers_bit_for_bit(name):
+    """On a GPU `sbpc check` runs eager's dropout in the composite form the plan captured
+    (compiler/tools/check_dropout.py) instead of torch's fused kernels, which draw other masks
+    from the same seed. On the CPU the same modes must change nothing: the same outputs and
+    gradients to the bit from the same seed (SDPA with dropout in its math form included)."""
+    from sbpc.compiler.tools.check_dropout import CompositeDropout, PlanDropout
+
+    call = DROPOUT_CALLS[name]
+    x = torch.randn(64, 33, requires_grad=True)
+    torch.manual_seed(3)
+    want = call(x)
+    (g_want,) = torch.autograd.grad(want.sum() * 1.7, x)
+    with PlanDropout(), CompositeDropout():
+        torch.manual_seed(3)
+        got = call(x)
+        (g_got,) = torch.autograd.grad(got.sum() * 1.7, x)
+    assert torch.equal(got, want) and torch.equal(g_got, g_want)
+
+
+def test_native_dropout_is_drawn_as_the_composite_form():
+    """What a GPU's ``at::dropout`` calls (``aten.native_dropout``, also from SDPA's math form
+    in C++) is drawn as the composite form under PlanDropout: the CPU's F.dropout output to the
+    bit from the same seed, its mask, and the gradient within an ulp (torch's backward of
+    native_dropout multiplies by the mask and 1 / (1 - p) in two steps)."""
+    from sbpc.compiler.tools.check_dropout import PlanDropout
+
+    x = torch.randn(64, 33, requires_grad=True)
+    torch.manual_seed(5)
+    want = torch.nn.functional.dropout(x, 0.3)
+    (g_want,) = torch.autograd.grad(want.sum() * 1.7, x)
+    with PlanDropout():
+        torch.manual_seed(5)
+        got, mask = torch.native_dropout(x, 0.3, True)
+        (g_got,) = torch.autograd.grad(got.sum() * 1.7, x)
+    assert torch.equal(got, want) and torch.equal(mask, want != 0) and mask.dtype == torch.bool
+    torch.testing.assert_close(g_got, g_want, rtol=1e-6, atol=0)
+    assert (g_got == 0).sum() > 0 and torch.equal(g_got == 0, ~mask)
+
+
+def test_checks_eager_dropout_takes_the_composite_path_and_only_on_a_gpu():
+    """Within CompositeDropout a dropout never reaches torch's dropout (whose CUDA form is the
+    fused kernel): it is bernoulli_, div_ and mul, as the plan captured it. On the CPU the check
+    adds no mode at all."""
+    from torch.overrides import TorchFunctionMode
+
+    from sbpc.compiler.tools.check_dropout import CompositeDropout, plan_dropout
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 8)
+    with Record(), CompositeDropout():
+        torch.nn.functional.dropout(x, 0.5)
+        torch.dropout(x, 0.5, True)
+    assert "dropout" not in seen and "bernoulli_" in seen, seen
+    seen.clear()
+    with Record():
+        torch.nn.functional.dropout(x, 0.5)
+    assert seen == ["dropout"]  # without it torch's own dropout runs
+    from torch.overrides import _get_current_function_mode_stack
+
+    with plan_dropout(torch.device("cpu")):
+        assert not _get_current_function_mode_stack()
+    with plan_dropout(torch.device("meta")):  # any device but the CPU
+        assert any(isinstance(m, CompositeDropout) for m in _get_current_function_mode_stack())
+    assert not _get_current_function_mode_stack()
+
+
+def test_what_the_cuda_kernels_refuse_is_refused_before_a_rank_starts():
+    """A pipelined plan with dropout (the replay of draws records the CPU generator) is refused
+    for cuda from the plan alone, naming the user's line, not at the first step on every rank;
+    the same model unpipelined, or without dropout, passes."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.runtime.cuda import require_cuda_kernels
+
+    def plan(mesh, dropout, m=1):
+        return compile_model(load_model("examples/gpt.py", {"dropout": dropout}), parse_mesh(mesh), batch_size=4,
+                             optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=m)).plan
+
+    from sbpc.errors import PlanError
+
+    with pytest.raises(PlanError, match="a random op in a pipelined plan on the cuda backend") as err:
+        require_cuda_kernels(plan("1x1x2", 0.1, 2))
+    assert err.value.location and "gpt.py:" in err.value.location
+    require_cuda_kernels(plan("1", 0.1))
+    require_cuda_kernels(plan("1x1x2", 0.0, 2))

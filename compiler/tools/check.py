@@ -53,6 +53,7 @@ from sbpc.runtime.kinds import Precision
 from sbpc.runtime.plan import Plan, PrecisionSpec
 from sbpc.runtime.precision import LOSS_SCALE, autocast
 from sbpc.compiler.tools.check_amp import LossScaler
+from sbpc.compiler.tools.check_dropout import plan_dropout
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
 # A gradient is compared on its own scale unless that is below 1e-3 of the step's largest
@@ -163,8 +164,10 @@ class CheckReport:
 
 
 def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
-    """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal)."""
-    a, b = a.detach().double(), b.detach().double()
+    """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal). On
+    ``a``'s device: the plan's loss comes as a number (a CPU tensor of it) and eager's is on
+    the GPU, which ``torch.equal`` (the nan test) refuses."""
+    a, b = a.detach().double(), b.detach().double().to(a.device)
     if a.shape != b.shape:
         return float("inf")
     diff = float((a - b).abs().max()) if b.numel() else 0.0
@@ -309,7 +312,7 @@ def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Preci
                       scaler: LossScaler | None = None, opt=None) -> torch.Tensor:
     torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
     device = next(model.parameters(), torch.empty(0)).device
-    with autocast(precision, device.type):
+    with autocast(precision, device.type), plan_dropout(device):  # on a GPU, the plan's dropout masks
         loss = model(*batch)
     if scaler is None:
         loss.backward()
