@@ -24,11 +24,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
+from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
-from sbpc.compiler.frontend.init_record import InitRecorder
+from sbpc.compiler.frontend.init_record import InitRecorder, whole_draws
 from sbpc.compiler.frontend.repeated_layers import Repeated, find_repeated
 from sbpc.compiler.frontend.stamp import NotStampable, Stamper
 from sbpc.compiler.frontend.stamp_expand import expand
@@ -61,7 +62,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             recorder = InitRecorder()
-            with recorder:
+            with recorder, whole_draws():
                 model = _build(source)
             config.check_modules([n for n, _ in model.named_modules()])
             batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
@@ -251,11 +252,14 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:
-        return trace(None)
-    try:
-        return trace(Stamper(repeated))
-    except NotStampable:
-        return trace(None)  # layer 1 is not a template the copies can follow: trace them all
+        graph = trace(None)
+    else:
+        try:
+            graph = trace(Stamper(repeated))
+        except NotStampable:
+            graph = trace(None)  # layer 1 is not a template the copies can follow: trace them all
+    plain_views(graph)
+    return graph
 
 
 def _capture_error(err: Exception, source: ModelSource) -> CaptureError:
