@@ -67,8 +67,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
             config.check_modules([n for n, _ in model.named_modules()])
             batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-            buffers = frozen + list(model.named_buffers())
+            buffers = plan_buffers(model)
             param_hints = config.param_hints([n for n, _ in params])
             param_hints.update({n: hints.params[id(p)] for n, p in params if id(p) in hints.params})
             with _module_output_hints(model, config):
@@ -199,6 +198,13 @@ def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
     okinds = [OutputKind.LOSS, OutputKind.GRAD, OutputKind.UPDATE, OutputKind.METRIC]
     outputs = sorted(outputs, key=lambda o: (okinds.index(o.kind), rank.get(o.name, -1)))
     return inputs, outputs
+
+
+def plan_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a plan takes as buffers: frozen parameters (``requires_grad_(False)``: Whisper's
+    sinusoidal positions), then the module's buffers."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return frozen + list(model.named_buffers())
 
 
 def _build(source: ModelSource) -> torch.nn.Module:

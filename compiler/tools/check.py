@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from sbpc.compiler.frontend.capture import plan_buffers
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
@@ -225,7 +226,7 @@ class Eager:
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
         # the buffers the forward starts from (it may update them): the float64 twin starts there too
-        self.buffers_before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.buffers_before = {n: b.detach().clone() for n, b in plan_buffers(self.model)}
         return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
 
     def on_device(self, batch):
@@ -239,7 +240,7 @@ class Eager:
             twin = copy.deepcopy(self.model).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
             with torch.no_grad():
-                for name, b in twin.named_buffers():
+                for name, b in plan_buffers(twin):
                     b.copy_(self.buffers_before[name])
             loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
@@ -258,7 +259,7 @@ class Eager:
         ``step``, fp16's scale state)."""
         if self.scaler is not None:
             self.scaler.load(states)
-        own_buffers = dict(self.model.named_buffers())
+        own_buffers = dict(plan_buffers(self.model))
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
@@ -345,7 +346,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
     eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
-    eager_state = dict(eager.named) | dict(eager.model.named_buffers())
+    eager_state = dict(eager.named) | dict(plan_buffers(eager.model))
     init = Deviation()
     for name, t in weights.items():
         init.update(name, deviation(t, eager_state[name], max(amax(eager_state[name]), 1e-12)))
@@ -368,7 +369,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
         # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
-        eager_buffers = dict(eager.model.named_buffers())
+        eager_buffers = dict(plan_buffers(eager.model))
         for name, got in new_buffers.items():
             ref = eager_buffers[name]
             row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
