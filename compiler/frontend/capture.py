@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.gc_pause import no_cycle_collection
@@ -274,6 +274,10 @@ def _capture_error(err: Exception, source: ModelSource) -> CaptureError:
     hint = ("control flow that depends on tensor values cannot be traced; use torch.where or move the decision "
             "out of forward()" if data_dependent else "forward() must be traceable by torch.fx / make_fx with fake tensors")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
+    if isinstance(err, DynamicOutputShapeException):  # nonzero, masked_select, unique: a mixture of experts' routing
+        what = f"{err.func} makes a tensor whose shape depends on tensor values"
+        hint = ("a plan's shapes are fixed at compile time; keep shapes static (torch.where, a mask, "
+                "a fixed capacity) instead of selecting the elements")
     return CaptureError(f"cannot trace forward(): {what}", location=user_location(err, source.path), hint=hint)
 
 
