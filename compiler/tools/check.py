@@ -402,8 +402,11 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.set_lr(plan.optimizer.lr if lr is None else lr)
         skipped = False
         if eager.scaler is None:
+            # dense, as the plan's update reads them (backend._fused_adamw): torch's fused CPU
+            # kernel reads a gradient in memory order, so a channels-last one the plan returned
+            # (ConvNeXt's downsampling conv) would step the wrong entries of the reference
             for name, p in eager.named.items():
-                p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
+                p.grad = result.grads[name].to(p.dtype).contiguous() if name in result.grads else None
             eager.clip(result.grad_norm)
             eager.opt.step()
         else:
