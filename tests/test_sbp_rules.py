@@ -190,6 +190,9 @@ def _synthetic() -> list[Instance]:
               True, 1e-5, [True, True, True]),
         synth("aten.native_batch_norm_backward.default", x(4, 6, 5), x(4, 6, 5), pos(6), x(6), pos(6), None, None,
               False, 1e-5, [True, True, True]),
+        synth("aten.native_group_norm.default", x(4, 6, 5, 3), pos(6), x(6), 4, 6, 15, 3, 1e-5),
+        synth("aten.native_group_norm_backward.default", x(4, 6, 5), x(4, 6, 5), x(4, 2), pos(4, 2), pos(6),
+              4, 6, 5, 2, [True, True, True]),
         synth("sbpc.attention", q, k, v, 0.0, False),
         synth("sbpc.attention_backward", x(4, 4, 8, 8), q, k, v, out, lse, 0.0, False),
     ]
