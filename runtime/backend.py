@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from sbpc.errors import PlanError, UsageError
+from sbpc.runtime import init_ops  # noqa: F401  registers torch.ops.sbpc.trunc_normal_, which init programs call
 from sbpc.runtime.topology import Topology
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from sbpc.errors import RuntimeFailure
-from sbpc.runtime.backend import Backend, returns_list
+from sbpc.runtime.backend import Backend, returns_list, torch_op
 from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.plan import DTypeArg, FloatArg, Instruction, RefArg, SymArg
 
@@ -65,7 +65,8 @@ class Program:
         self._device = self.backend.device if ins.memory == MemoryKind.DEVICE else torch.device("cpu")
         args = [self._arg(a) for a in ins.args]
         args += [f"{k}={self._arg(v)}" for k, v in ins.kwargs.items()]
-        schema = getattr(kernel, "_schema", None)
+        # the op's own schema: an in-place op that returns nothing runs through a wrapper (`_first_argument`)
+        schema = getattr(kernel, "_schema", None) or getattr(torch_op(ins.op), "_schema", None)
         if self.generator is not None and schema is not None and any(a.name == "generator" for a in schema.arguments):
             args.append(f"generator={self._const(self.generator)}")
         call = f"k[{len(self.kernels) - 1}]({', '.join(args)})"

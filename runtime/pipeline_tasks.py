@@ -91,7 +91,8 @@ class TaskGraph:
         self.bodies: dict[tuple[int, str, int], Body] = {}
         self.producer: dict[str, tuple[int, str, int]] = {}
         items = list(items)
-        parts = _opt_parts(items)
+        self.feeds_send = _feeds_send(items)  # per item (position): see _feeds_send
+        parts = _opt_parts(items, self.feeds_send)
         for it, part in zip(items, parts):
             key = (it.chunk, it.phase, part)
             body = self.bodies.setdefault(key, Body(*key))
@@ -253,7 +254,24 @@ def fmt(t: Task) -> str:
     return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}") + (f"/{t.part}" if t.part else "")
 
 
-def _opt_parts(items: list[Item]) -> list[int]:
+def _feeds_send(items: list[Item]) -> list[bool]:
+    """Per item: an ``opt`` instruction that a transfer's value is computed from, on its chunk
+    (such an instruction is never moved to a later part: ``_opt_parts``)."""
+    readers: dict[str, list[int]] = {}
+    for k, it in enumerate(items):
+        for u in it.uses:
+            readers.setdefault(u, []).append(k)
+    feeds = [False] * len(items)
+    for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
+        it = items[k]
+        if it.phase != "opt" or it.op == TRANSFER:
+            continue
+        feeds[k] = any(items[r].phase == "opt" and (items[r].op == TRANSFER or feeds[r])
+                       for o in it.outs for r in readers.get(o, []))
+    return feeds
+
+
+def _opt_parts(items: list[Item], feeds_send: list[bool]) -> list[int]:
     """The part of every ``opt`` instruction (0 for the others), per item. As early as it can
     run: one more than the part of what a transfer into it carries, else the largest part among
     the same chunk's ``opt`` values it reads. Then what is sent, what a sent value is computed
@@ -282,15 +300,11 @@ def _opt_parts(items: list[Item]) -> list[int]:
     for k, it in enumerate(items):
         for u in it.uses:
             readers.setdefault(u, []).append(k)
-    feeds_send = [False] * len(items)  # an opt instruction a transfer's value is computed from, on its chunk
     for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
         it = items[k]
-        if it.phase != "opt" or it.op == TRANSFER:
+        if it.phase != "opt" or it.op == TRANSFER or feeds_send[k]:
             continue
         rs = [r for o in it.outs for r in readers.get(o, [])]
-        feeds_send[k] = any(items[r].phase == "opt" and (items[r].op == TRANSFER or feeds_send[r]) for r in rs)
-        if feeds_send[k]:
-            continue
         if rs and all(items[r].phase == "opt" and items[r].chunk == it.chunk and items[r].op != TRANSFER for r in rs):
             part[k] = min(part[r] for r in rs)
     return part

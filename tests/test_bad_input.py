@@ -161,6 +161,25 @@ CASES = [
          "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
     Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
          "cannot trace forward(): data-dependent control flow (at tests/models/data_dependent.py:11)"),
+    Case("model-value-dependent-shape", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("cannot trace forward(): aten.nonzero.default makes a tensor whose shape depends on tensor values "
+          "(at {tmp}/model.py:8)", "keep shapes static"),
+         write("model.py", """
+             import torch
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.fc = torch.nn.Linear(4, 4)
+                 def forward(self, x):
+                     return self.fc(x)[x > 0].sum()  # the selected count depends on x
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return (torch.randn(batch_size, 4),)
+             """)),
     Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
          ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
           "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),

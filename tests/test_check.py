@@ -60,6 +60,30 @@ def test_computed_buffers_are_rebuilt_by_init_replay():
     assert report.passed, report.table()
 
 
+def test_frozen_parameter_is_loaded_and_compared_as_a_buffer():
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
+
+    plan = compile_model(load_model("tests/models/frozen_param.py"), parse_mesh("2x1"), batch_size=4,
+                         optimizer=OptimizerConfig()).plan
+    assert [b.name for b in plan.buffers] == ["pos.weight"]
+    report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed, report.table()
+
+
+def test_group_norm_splits_the_micro_batches_of_a_pipeline():
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.passes import PipelineOptions
+
+    plan = compile_model(load_model("tests/models/unet_gn.py"), parse_mesh("2x1x2").with_microbatches(2), batch_size=8,
+                         optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2)).plan
+    report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed, report.table()
+
+
 def _corrupt(plan, pick, **update):
     """``plan`` with the first instruction ``pick`` accepts changed by ``update``."""
     program = plan.stages[0]

@@ -144,6 +144,17 @@ def test_pipelined_foreach_calls_stay_within_one_task():
     assert all(tasks[o] == k for o, k in after.items() if o in tasks)
 
 
+def test_foreach_calls_keep_what_feeds_a_send_apart():
+    """DeBERTa's word embedding is tied to the decoder on the other stage, so its new value is
+    sent there in the update; its LayerNorm's is not. A foreach call of both would keep the
+    LayerNorm's update inputs in the earlier part with the embedding's (the runtime never moves
+    what feeds a send later), which the pass refused as a task move on 2x2x2."""
+    plan = compile_model(load_model("tests/zoo/deberta_v2.py"), parse_mesh("2x2x2").with_microbatches(2),
+                         batch_size=4, optimizer=OptimizerConfig(), passes=FOREACH,
+                         pipeline=PipelineOptions(microbatches=2)).plan
+    assert any(i.op.startswith("aten._foreach_") for i in _opt(plan))
+
+
 def _tasks_of(graph) -> dict:
     return {o: key for key, n in zip(node_tasks(graph), graph.nodes) for o in n.outputs}
 

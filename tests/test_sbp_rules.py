@@ -145,6 +145,10 @@ def _synthetic() -> list[Instance]:
         synth("aten.flip.default", x(4, 6, 8), [1]), synth("aten.full_like.default", x(8, 6), 2.0),
         synth("aten.index_add.default", x(8, 6), 0, ids(8, 12), x(12, 6)),
         synth("aten.index_put.default", x(8, 6), [ids(8, 4)], x(4, 6), True),
+        # accumulating a batch's rows (Whisper's positions ``weight[position_ids]``, backward):
+        # the positions split with the values, a partial sum; two index tensors broadcast
+        synth("aten.index_put.default", x(16, 6), [ids(16, 4, 8)], x(4, 8, 6), True),
+        synth("aten.index_put.default", x(8, 6, 5), [ids(8, 4, 1), ids(6, 4, 8)], x(4, 8, 5), True),
         synth("aten.index_put.default", x(8, 6), [ids(8, 4)], x(6), False),
         synth("aten.index_select.default", x(8, 6), 0, ids(8, 12)), synth("aten.narrow.default", x(8, 12), 1, 2, 6),
         synth("aten.new_empty.default", x(2, 2), [8, 4]), synth("aten.new_full.default", x(2, 2), [8, 4], 3.0),
@@ -186,6 +190,9 @@ def _synthetic() -> list[Instance]:
               True, 1e-5, [True, True, True]),
         synth("aten.native_batch_norm_backward.default", x(4, 6, 5), x(4, 6, 5), pos(6), x(6), pos(6), None, None,
               False, 1e-5, [True, True, True]),
+        synth("aten.native_group_norm.default", x(4, 6, 5, 3), pos(6), x(6), 4, 6, 15, 3, 1e-5),
+        synth("aten.native_group_norm_backward.default", x(4, 6, 5), x(4, 6, 5), x(4, 2), pos(4, 2), pos(6),
+              4, 6, 5, 2, [True, True, True]),
         synth("sbpc.attention", q, k, v, 0.0, False),
         synth("sbpc.attention_backward", x(4, 4, 8, 8), q, k, v, out, lse, 0.0, False),
     ]

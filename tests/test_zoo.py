@@ -4,7 +4,9 @@ PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
 Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
 LM), T5 (encoder-decoder; its decoder input is filled in place), Bloom (ALiBi), a decoder made of
-PyTorch's own ``nn.TransformerEncoderLayer``, and a recurrent model of ``nn.LSTM`` and ``nn.GRU``.
+PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent model of ``nn.LSTM`` and ``nn.GRU``, and
+the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read from a tensor
+while building) and Swin (shifted windows; an ``as_strided`` pooler).
 Llama also runs with its
 shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
 """
@@ -37,6 +39,9 @@ ZOO = {
     "t5": "tests/zoo/t5.py",
     "rnn": "tests/zoo/rnn.py",
     "bloom": "tests/zoo/bloom.py",
+    "vit": "tests/zoo/vit.py",
+    "convnext": "tests/zoo/convnext.py",
+    "swin": "tests/zoo/swin.py",
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4

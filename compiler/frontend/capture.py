@@ -19,17 +19,18 @@ from dataclasses import replace
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
+from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
-from sbpc.compiler.frontend.init_record import InitRecorder
+from sbpc.compiler.frontend.init_record import InitRecorder, whole_draws
 from sbpc.compiler.frontend.repeated_layers import Repeated, find_repeated
 from sbpc.compiler.frontend.stamp import NotStampable, Stamper
 from sbpc.compiler.frontend.stamp_expand import expand
@@ -62,13 +63,12 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             recorder = InitRecorder()
-            with recorder:
+            with recorder, whole_draws():
                 model = _build(source)
             config.check_modules([n for n, _ in model.named_modules()])
             batch = tuple(fake.from_tensor(b) if not fake.is_our_fake(b) else b for b in source.batch(batch_size))
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-            buffers = frozen + list(model.named_buffers())
+            buffers = plan_buffers(model)
             param_hints = config.param_hints([n for n, _ in params])
             param_hints.update({n: hints.params[id(p)] for n, p in params if id(p) in hints.params})
             with _module_output_hints(model, config):
@@ -206,6 +206,13 @@ def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
     return inputs, outputs
 
 
+def plan_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a plan takes as buffers: frozen parameters (``requires_grad_(False)``: Whisper's
+    sinusoidal positions), then the module's buffers."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return frozen + list(model.named_buffers())
+
+
 def _build(source: ModelSource) -> torch.nn.Module:
     try:
         model = source.build()
@@ -257,11 +264,14 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:
-        return trace(None)
-    try:
-        return trace(Stamper(repeated))
-    except NotStampable:
-        return trace(None)  # layer 1 is not a template the copies can follow: trace them all
+        graph = trace(None)
+    else:
+        try:
+            graph = trace(Stamper(repeated))
+        except NotStampable:
+            graph = trace(None)  # layer 1 is not a template the copies can follow: trace them all
+    plain_views(graph)
+    return graph
 
 
 def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -> CaptureError:
@@ -273,6 +283,10 @@ def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -
         hint = ("a mixture-of-experts layer (tokens grouped by expert): sbpc does not support MoE layers yet "
                 "(torch traces this op only in bf16, and its groups follow the routing's values)")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
+    if isinstance(err, DynamicOutputShapeException):  # nonzero, masked_select, unique: a mixture of experts' routing
+        what = f"{err.func} makes a tensor whose shape depends on tensor values"
+        hint = ("a plan's shapes are fixed at compile time; keep shapes static (torch.where, a mask, "
+                "a fixed capacity) instead of selecting the elements")
     return CaptureError(f"cannot trace forward(): {what}" + (f" (in {op})" if op else ""),
                         location=user_location(err, source.path), hint=hint)
 

@@ -42,7 +42,8 @@ where the traced per-parameter order holds no temporary and keeps its temporarie
 largest parameter's own, or ``foreach_floor`` bytes where that is more. Inside a piece the ops
 are ordered by their depth in its dependence graph (data, plus "every reader of a storage
 before the op that overwrites it"), and the ops of one depth with the same operator and shared
-arguments become one foreach call; the order is a topological order of that graph, so every
+arguments become one foreach call, unless one feeds a transfer and the other does not (the
+runtime keeps what feeds a send, and what it reads, in its early part); the order is a topological order of that graph, so every
 value is computed before it is read and overwritten after.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ import networkx as nx
 from sbpc.compiler.ir.aten import ACCUMULATE, overwritten, returns_alias
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.passes.schedule import execution_positions, node_tasks
+from sbpc.compiler.passes.schedule import execution_positions, node_tasks, task_graph
 from sbpc.errors import CompileError
 from sbpc.runtime.backend import OVERWRITTEN_LISTS, torch_op
 from sbpc.runtime.pipeline_tasks import TRANSFER
@@ -97,12 +98,18 @@ class _Where:
     position: list[tuple[int, int]]  # compare within a stage (schedule.execution_positions)
     task: list[tuple[int, str, int] | None]  # (chunk, phase, part); None in a one-program plan
     names: dict[str, tuple[int, str, int] | None]  # the task of each value made by a node
+    # the nodes a transfer's value is computed from in the once-a-step phase, which stay in
+    # their part with everything they read (runtime/pipeline_tasks.py): a foreach call of such
+    # a node and another would pin the other's inputs to an earlier part too
+    feeds_send: list[bool]
 
     @staticmethod
     def of(graph: Graph) -> "_Where":
-        task = node_tasks(graph) if graph.schedule is not None else [None] * len(graph.nodes)
+        pipelined = graph.schedule is not None
+        task = node_tasks(graph) if pipelined else [None] * len(graph.nodes)
         at = execution_positions(graph, task)
-        return _Where([s for s, _ in at], [p for _, p in at], task, _made_in(graph, task))
+        feeds = task_graph(graph).feeds_send if pipelined else [False] * len(graph.nodes)
+        return _Where([s for s, _ in at], [p for _, p in at], task, _made_in(graph, task), feeds)
 
 
 def _made_in(graph: Graph, task: list) -> dict[str, tuple[int, str, int]]:
@@ -302,6 +309,7 @@ def _group(graph: Graph, where: _Where, floor: int) -> list[Node]:
         for u in set(n.uses()):
             readers[u] = readers.get(u, 0) + 1
     outputs = {o.value for o in graph.outputs}
+    sending = {n.outputs[0] for n, f in zip(nodes, where.feeds_send) if f and n.outputs}
     out: list[Node] = []
     run: list[Node] = []
 
@@ -317,7 +325,7 @@ def _group(graph: Graph, where: _Where, floor: int) -> list[Node]:
         # output per run, ~4.6k runs x the 1T's outputs)
         outlive = {o for n in run for o in n.outputs if o in outputs or inside.get(o, 0) < readers.get(o, 0)}
         for piece in _slices(run, sizes, floor, outlive):
-            out.extend(_group_run(piece, types, store))
+            out.extend(_group_run(piece, types, store, sending))
 
     task = None
     for idx, n in enumerate(nodes):
@@ -383,7 +391,7 @@ def _check_tasks(graph: Graph, before: _Where) -> None:
                                hint="report this plan; compile with the inplace pass removed meanwhile")
 
 
-def _group_run(run: list[Node], types: dict[str, TensorType], store: _Storages) -> list[Node]:
+def _group_run(run: list[Node], types: dict[str, TensorType], store: _Storages, sending: set[str]) -> list[Node]:
     if len(run) < 2:
         return run
     graph = nx.DiGraph()
@@ -405,7 +413,8 @@ def _group_run(run: list[Node], types: dict[str, TensorType], store: _Storages) 
     groups: dict[tuple, list[int]] = {}
     for k in sorted(range(len(run)), key=lambda k: (depth[k], k)):
         plan = _foreach_plan(run[k], types)
-        key = (depth[k], plan, run[k].types[0].dtype, run[k].memory) if plan is not None else ("single", k)
+        key = ((depth[k], plan, run[k].types[0].dtype, run[k].memory, run[k].outputs[0] in sending)
+               if plan is not None else ("single", k))
         groups.setdefault(key, []).append(k)
     out = []
     for key, ks in groups.items():

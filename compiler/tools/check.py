@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from sbpc.compiler.frontend.capture import plan_buffers
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
@@ -235,7 +236,7 @@ class Eager:
     def forward_backward(self, batch, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
         # the buffers the forward starts from (it may update them): the float64 twin starts there too
-        self.buffers_before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.buffers_before = {n: b.detach().clone() for n, b in plan_buffers(self.model)}
         return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
 
     def on_device(self, batch):
@@ -249,7 +250,7 @@ class Eager:
             twin = copy.deepcopy(self.model).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
             with torch.no_grad():
-                for name, b in twin.named_buffers():
+                for name, b in plan_buffers(twin):
                     b.copy_(self.buffers_before[name])
             loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
         except Exception as e:  # the user's model need not run in float64: judge without the term
@@ -268,7 +269,7 @@ class Eager:
         ``step``, fp16's scale state)."""
         if self.scaler is not None:
             self.scaler.load(states)
-        own_buffers = dict(self.model.named_buffers())
+        own_buffers = dict(plan_buffers(self.model))
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
@@ -355,7 +356,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
     eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
-    eager_state = dict(eager.named) | dict(eager.model.named_buffers())
+    eager_state = dict(eager.named) | dict(plan_buffers(eager.model))
     init = Deviation()
     for name, t in weights.items():
         init.update(name, deviation(t, eager_state[name], max(amax(eager_state[name]), 1e-12)))
@@ -378,7 +379,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
         # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
-        eager_buffers = dict(eager.model.named_buffers())
+        eager_buffers = dict(plan_buffers(eager.model))
         for name, got in new_buffers.items():
             ref = eager_buffers[name]
             row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
@@ -411,8 +412,11 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.set_lr(plan.optimizer.lr if lr is None else lr)
         skipped = False
         if eager.scaler is None:
+            # dense, as the plan's update reads them (backend._fused_adamw): torch's fused CPU
+            # kernel reads a gradient in memory order, so a channels-last one the plan returned
+            # (ConvNeXt's downsampling conv) would step the wrong entries of the reference
             for name, p in eager.named.items():
-                p.grad = result.grads[name].to(p.dtype) if name in result.grads else None
+                p.grad = result.grads[name].to(p.dtype).contiguous() if name in result.grads else None
             eager.clip(result.grad_norm)
             eager.opt.step()
         else:

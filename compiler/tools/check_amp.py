@@ -47,7 +47,7 @@ class LossScaler:
         scaler = self._scaler()
         scale = float(self.state[LOSS_SCALE])
         for name, p in params.items():
-            p.grad = grads[name].to(p.dtype) * scale if name in grads else None
+            p.grad = (grads[name].to(p.dtype) * scale).contiguous() if name in grads else None  # dense: see check.py
         skipped = not all(bool(torch.isfinite(g).all()) for g in grads.values())  # GradScaler's own test
         if clip is not None:
             scaler.unscale_(opt)

@@ -144,3 +144,33 @@ def batch_norm_backward(c, grad_out, input, train, *channel):
     else:
         lp.reduce = {"n": "sum"}
     return lp, []
+
+
+def _group_norm_loc(lc, input, N):
+    """The kernel is told the batch size: a device's is its share of the batch."""
+    parts = math.prod(k for k, s in zip(lc.sizes, lc.nd(input)) if isinstance(s, Split) and s.dim == 0)
+    lc.set[N.value] = lc.value(N) // parts
+
+
+@family("group_norm", _group_norm_loc)
+def group_norm(c, input, N):
+    """Group norm forward (out, mean, rstd of [N, groups]): statistics per sample and group, so
+    the batch splits (with the statistics); channels never do (a group spans several); weight
+    and bias stay whole."""
+    lets = ["n"] + [None] * (len(c.shape(c.tensor(input))) - 1)
+    stats = [["n", None] if len(c.out_shape(i)) == 2 else [None] * len(c.out_shape(i)) for i in (1, 2)]
+    return Loops(ins={c.tensor(input): lets}, outs=[lets, *stats]), []
+
+
+def _group_norm_bwd_loc(lc, grad_out, input, mean, rstd, N):
+    _group_norm_loc(lc, input, N)
+
+
+@family("group_norm_backward", _group_norm_bwd_loc)
+def group_norm_backward(c, grad_out, input, mean, rstd, N):
+    """(grad_input, grad_weight, grad_bias): a batch split sums the weight and bias gradients (P)."""
+    lets = ["n"] + [None] * (len(c.shape(c.tensor(input))) - 1)
+    ins = {c.tensor(grad_out): lets, c.tensor(input): lets, c.tensor(mean): ["n", None], c.tensor(rstd): ["n", None]}
+    grad_in = lets if len(c.out_shape(0)) == len(lets) else [None] * len(c.out_shape(0))  # output_mask: 0-d
+    outs = [grad_in] + [[None] * len(c.out_shape(i)) for i in (1, 2)]
+    return Loops(ins=ins, outs=outs, reduce={"n": "sum"}), []

@@ -237,7 +237,8 @@ def index_add(c, self, dim, index, source):
 @family("index_put")
 def index_put(c, self, indices, values, accumulate):
     """Indexed leading dims never split; the trailing dims split with the values' matching
-    dims (a broadcast values dim stays ``B``)."""
+    dims (a broadcast values dim stays ``B``). Accumulating, the put positions split too (a
+    partial sum, below)."""
     vals = c.value(indices)
     keys = [(indices.value, j) for j in range(len(vals))]
     if not all(isinstance(v, Ref) for v in vals) or any(c.dtypes.get(k) in ("bool", "u8") for k in keys):
@@ -249,10 +250,21 @@ def index_put(c, self, indices, values, accumulate):
     lp = Loops(ins={key: [None] * n + lets[n:]}, outs=[[None] * n + lets[n:]])
     for k in keys:
         lp.ins[k] = [None] * len(c.shape(k))
-    br = max(len(c.shape(k)) for k in keys)
+    wide = list(torch.broadcast_shapes(*(tuple(c.shape(k)) for k in keys)))  # the put positions
+    br = len(wide)
     res = [None] * br + lets[n:]  # the indexed result's dims, to which values broadcast
+    if c.value(accumulate):
+        # each put position adds its values into self: split the positions (every index tensor
+        # and the values along them, a batch's gradient into an embedding table read as
+        # ``weight[ids]``) and each device's sum is a part of the total, self a partial term
+        res = [f"i{d}" for d in range(br)] + lets[n:]
+        for k in keys:
+            ks = c.shape(k)
+            lp.ins[k] = [res[br - len(ks) + d] if ks[d] == wide[br - len(ks) + d] else None for d in range(len(ks))]
+        lp.reduce = {x: "sum" for x in res[:br]}
+        lp.terms = {key: 0, vk: 1, **{k: 1 for k in keys}}
     vs = c.shape(vk)
-    full = [None] * br + list(shp[n:])
+    full = wide + list(shp[n:])
     lp.ins[vk] = [res[len(res) - len(vs) + d] if vs[d] == full[len(res) - len(vs) + d] else None
                   for d in range(len(vs))]
     extra = []
