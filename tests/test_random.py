@@ -9,8 +9,8 @@ from sbpc.compiler.ir.types import DType
 from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.compiler.sbp.rules.validate import validate
 from sbpc.runtime.kinds import Collective
-from tests.conftest import sbpc_check
-from tests.test_sbp_rules import synth
+from conftest import sbpc_check
+from test_sbp_rules import synth
 
 RANDOM = "sbpc.random_shard"
 
