@@ -72,7 +72,9 @@ class SbpPropagate:
         _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
         axes = graph.mesh.sbp_axes
         busy = [a for a, k in enumerate(sizes) if k > 1]
-        shared = _Shared(self.classes(graph), GraphIndex.of(graph))
+        # the graph's structure and value types, found once for the classes and every solver
+        index, types = GraphIndex.of(graph), graph.value_types()
+        shared = _Shared(self.classes(graph, types, index.hyper), index, {"types": types})
         if len(busy) == 1:
             return self._solve(graph, rules, sizes, shared).result()
         # Several axes: solve each alone (the others one device), then start the joint search
@@ -92,11 +94,12 @@ class SbpPropagate:
         solver.refine(busy, self.rounds)
         return solver.result()
 
-    def classes(self, graph: Graph) -> LayerClasses | None:
-        """The layer classes whose decisions are tied, or None (small graphs, tying off)."""
+    def classes(self, graph: Graph, types=None, hyper=None) -> LayerClasses | None:
+        """The layer classes whose decisions are tied, or None (small graphs, tying off);
+        ``types`` and ``hyper``: as ``layer_classes`` takes them."""
         if self.tie_layers is None or len(graph.nodes) < self.tie_min_nodes:
             return None
-        classes = layer_classes(graph, max(2, self.tie_layers))
+        classes = layer_classes(graph, max(2, self.tie_layers), types, hyper)
         return classes if classes.members else None
 
     def _solver(self, graph: Graph, rules: RuleBook, sizes: tuple[int, ...], shared: _Shared, fixed=None) -> Solver:

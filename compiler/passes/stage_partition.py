@@ -23,9 +23,8 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.aten import hyper_only
 from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Role, rename_uses
-from sbpc.compiler.pipelining.stage_policy import (CostBalanced, PartitionProblem, RooflineCost, StagePolicy, dependences,
-                                                    first_readers, in_flight, layer_key, optimizer_owners,
-                                                    place_backward, profile)
+from sbpc.compiler.pipelining.stage_policy import (CostBalanced, GraphFacts, PartitionProblem, RooflineCost, StagePolicy,
+                                                    first_readers, in_flight, layer_key, place_backward, profile)
 from sbpc.errors import CompileError, UsageError
 
 _HINT_FIX = "check the sbpc.stage scopes and the [stages] globs of the parallel config (docs/pipeline.md)"
@@ -59,11 +58,11 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
     nodes = graph.nodes
     role = [n.role for n in nodes]
     fwd = [r == Role.FORWARD for r in role]
-    producer = graph.producers()
-    preds, readers = dependences(graph)
-    hint = _hints(graph, chunks, producer)
-    if chunks == 1:
+    facts = GraphFacts.of(graph) if chunks > 1 else None  # shared with the policy's profile
+    hint = _hints(graph, chunks, facts.producer if facts else graph.producers())
+    if facts is None:
         return [0] * len(nodes)
+    preds, readers = facts.preds, facts.readers
     lo = _lower_bounds(nodes, preds, fwd, hint)
     hi = [chunks - 1] * len(nodes)
     for i in reversed(range(len(nodes))):
@@ -78,7 +77,7 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
     free = [fwd[i] and hint[i] is None and not on_batch[i] for i in range(len(nodes))]
 
     stage: list[int | None] = [None] * len(nodes)
-    problem = _problem(graph, chunks, microbatches, fwd, free, readers, lo, hi)
+    problem = replace(_problem(graph, chunks, microbatches, fwd, free, readers, lo, hi), facts=facts)
     per_unit = policy(problem)
     if len(per_unit) != len(problem.units) or any(not 0 <= c < chunks for c in per_unit) or per_unit != sorted(per_unit):
         raise CompileError(f"stage policy {policy!r} returned an invalid partition",
@@ -95,7 +94,7 @@ def assign_stages(graph: Graph, chunks: int, policy: StagePolicy, microbatches: 
         if fwd[i] and stage[i] is None:
             stage[i] = next((stage[r] for r in readers[i] if stage[r] is not None), lo[i])
     first = first_readers(graph, stage)
-    for i, owned in optimizer_owners(graph).items():
+    for i, owned in facts.owners.items():
         if owned:
             stage[i] = min(first.get(p, 0) for p in owned)
     for i in reversed(range(len(nodes))):  # shared optimizer ops (the step): with their first chunk

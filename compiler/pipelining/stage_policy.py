@@ -106,6 +106,24 @@ class PartitionProblem:
     lo: list[int]  # per unit: the chunks hints and data flow allow; both non-decreasing
     hi: list[int]
     group: list[int | None]  # per node: the unit whose cost it counts in (None: bwd/opt, attributed)
+    facts: GraphFacts | None = None  # the graph's structure, when the pass found it already
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What partitioning reads of a graph's structure. The pass and its policy's ``profile``
+    both need it, and each walk of a 1T graph's ~26k ops costs: found once, read by both."""
+    producer: dict[str, int]
+    preds: list[list[int]]  # dependences()
+    readers: list[list[int]]
+    types: dict[str, TensorType]
+    owners: dict[int, set[str]]  # optimizer_owners(); read only
+
+    @classmethod
+    def of(cls, graph: Graph) -> GraphFacts:
+        producer = graph.producers()
+        preds, readers = dependences(graph, producer)
+        return cls(producer, preds, readers, graph.value_types(), optimizer_owners(graph))
 
 
 class StagePolicy(Protocol):
@@ -135,7 +153,7 @@ class CostBalanced:
 
     def __call__(self, problem: PartitionProblem) -> list[int]:
         n, chunks = len(problem.units), problem.num_chunks
-        prof = profile(problem.graph, problem.group, n, self.cost)
+        prof = profile(problem.graph, problem.group, n, self.cost, problem.facts)
         T, S, W = (np.concatenate([[0.0], np.cumsum(x, dtype=float)]) for x in (prof.compute, prof.saved, prof.static))
         t_tot = max(T[-1], 1e-30)
         comm = np.array([2 * self.cost.transfer(x) / t_tot for x in prof.crossing])  # activations on, gradients back
@@ -216,16 +234,19 @@ class Profile:
     ops: list[list[int]]  # forward, backward, optimizer op counts
 
 
-def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -> Profile:
+def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost,
+            facts: GraphFacts | None = None) -> Profile:
     """Costs per group of a node -> group map. Backward ops without a group count where the
-    pass places them (``place_backward``); optimizer ops with their parameter's first reader."""
-    nodes, types = graph.nodes, graph.value_types()
+    pass places them (``place_backward``); optimizer ops with their parameter's first reader.
+    ``facts``: the graph's structure, if the caller has it (else found here)."""
+    facts = facts or GraphFacts.of(graph)
+    nodes, types = graph.nodes, facts.types
     group = list(group)
-    preds, readers = dependences(graph)
+    preds, readers = facts.preds, facts.readers
     # the pass's own rule, so each backward op is costed in the group it will run in
     place_backward(nodes, preds, readers, group, n - 1)
     first = first_readers(graph, group)
-    for i, owned in optimizer_owners(graph).items():
+    for i, owned in facts.owners.items():
         if group[i] is None and owned:
             group[i] = min(first.get(p, 0) for p in owned)
     prof = Profile([0.0] * n, [0] * n, [0] * n, [0] * (n + 1), [[0, 0, 0] for _ in range(n)])
@@ -265,9 +286,10 @@ def profile(graph: Graph, group: list[int | None], n: int, cost: RooflineCost) -
     return prof
 
 
-def dependences(graph: Graph) -> tuple[list[list[int]], list[list[int]]]:
-    """Per node: the nodes making what it reads (sorted), and the nodes reading what it makes."""
-    producer = graph.producers()
+def dependences(graph: Graph, producer: dict[str, int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Per node: the nodes making what it reads (sorted), and the nodes reading what it makes.
+    ``producer``: ``graph.producers()``, if the caller has it."""
+    producer = graph.producers() if producer is None else producer
     preds = [sorted({producer[u] for u in n.uses() if u in producer}) for n in graph.nodes]
     readers: list[list[int]] = [[] for _ in graph.nodes]
     for i, ps in enumerate(preds):

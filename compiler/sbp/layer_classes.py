@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from sbpc.compiler.ir.aten import hyper_only
-from sbpc.compiler.ir.types import Graph, Node, Ref
+from sbpc.compiler.ir.types import Graph, Node, Ref, TensorType
 
 _CHUNK_COPY = "<chunk>"  # the blanked module of per-chunk copies (no module path has "<")
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
@@ -79,10 +79,12 @@ class LayerClasses:
             del self.members[r]
 
 
-def layer_classes(graph: Graph, min_members: int = 3) -> LayerClasses:
-    """The layer classes of ``graph`` (see the module docstring)."""
-    types = graph.value_types()
-    hyper = hyper_only(graph)
+def layer_classes(graph: Graph, min_members: int = 3, types: dict[str, TensorType] | None = None,
+                  hyper: list[bool] | None = None) -> LayerClasses:
+    """The layer classes of ``graph`` (see the module docstring). ``types`` (``graph.value_types()``)
+    and ``hyper`` (``hyper_only(graph)``): what the caller found already (each is a walk of the graph)."""
+    types = graph.value_types() if types is None else types
+    hyper = hyper_only(graph) if hyper is None else hyper
     groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
     seen: dict[tuple, int] = {}
     layer_of: dict[str, tuple[int, ...]] = {}  # value -> the layer whose module path made it

@@ -59,6 +59,9 @@ class Layouts:
         if "types" not in self._memo:
             self._memo["types"] = graph.value_types()
         self.types = self._memo["types"]
+        if "names" not in self._memo:  # per node: its uses, then its outputs (a signature's positions)
+            self._memo["names"] = [n.uses() + tuple(n.outputs) for n in graph.nodes]
+        self._names: list[tuple[str, ...]] = self._memo["names"]
         self._layouts = self._memo.setdefault("layouts", {})  # nd-SBP -> its one Layout (intern)
         self._sbps = self._memo.setdefault("sbps", {})  # SBP -> its one copy
         self.per_size: dict[int, list[list[Signature]]] = {}
@@ -109,7 +112,7 @@ class Layouts:
         demands, options = [], []
         patterns = self._memo.setdefault("patterns", {})
         split_ats: list[tuple] = []
-        for n, *lists in zip(self.graph.nodes, *(self.per_size[k] for k in sorted(self.per_size))):
+        for n, names, *lists in zip(self.graph.nodes, self._names, *(self.per_size[k] for k in sorted(self.per_size))):
             key = tuple(map(id, lists))
             found = patterns.get(key)
             if found is None:
@@ -118,7 +121,6 @@ class Layouts:
             split_ats.append(split_at)
             if not unions and not wants:
                 continue
-            names = n.uses() + tuple(n.outputs)
             for p, d, q, e in unions:
                 a, b = _find(uf, (names[p], d)), _find(uf, (names[q], e))
                 if a != b:
@@ -165,9 +167,8 @@ class Layouts:
         """``sig`` with each split's block count taken from the analysis, once per count its
         class is offered (the fixed one first); a split/cat signature (block counts that differ
         across the op) keeps the counts its rule gives."""
-        names = list(n.uses()) + list(n.outputs)
         sbps = sig.ins + sig.outs
-        splits = [(v, s) for v, s in zip(names, sbps) if isinstance(s, Split)]
+        splits = [(v, s) for v, s in zip(n.uses() + tuple(n.outputs), sbps) if isinstance(s, Split)]
         if not splits or len({s.parts for _, s in splits}) > 1:
             return [sig]
         v0, s0 = splits[0]  # one class: a signature of one block count joins its split positions
@@ -191,9 +192,8 @@ class Layouts:
         signatures split (``_split_at``)."""
         found = self._node_counts.get(i)
         if found is None:
-            n = self.graph.nodes[i]
-            names = n.uses() + tuple(n.outputs)
-            found = self._node_counts[i] = tuple(self._counts.get((names[p], d)) for p, d in self._split_at[i])
+            names, counts = self._names[i], self._counts
+            found = self._node_counts[i] = tuple(counts.get((names[p], d)) for p, d in self._split_at[i])
         return found
 
     def exact(self, index: int, ins: tuple[NdSbp, ...], outs: tuple[NdSbp, ...]) -> bool:

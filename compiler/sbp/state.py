@@ -237,9 +237,20 @@ class SolverState:
         for v, pos in self.at[idx]:
             # what the other consumers need, and what c needs
             counts, reqs = reqc.get(v, _NONE), req.get(v, _NONE)
-            mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
-            need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
-            need.update(ins[p] for p in pos)
+            if len(pos) == 1:  # most ops read a value once: the general case's sets, without its lists
+                p = pos[0]
+                mine1 = reqs.get((idx, p))
+                if mine1 is None:
+                    need = set(counts)
+                    mine = []
+                else:
+                    need = {t for t, k in counts.items() if k > (t == mine1)}
+                    mine = [mine1]
+                need.add(ins[p])
+            else:
+                mine = [reqs[(idx, p)] for p in pos if (idx, p) in reqs]
+                need = {t for t, k in counts.items() if k > mine.count(t)} if mine else set(counts)
+                need.update(ins[p] for p in pos)
             if v in held:  # the same split by phase: which layouts the backward needs
                 back, forward = self._phases(v, idx, mine, [ins[p] for p in pos])
                 cost += value_cost(v, sbp[v], need, back, forward)
