@@ -21,20 +21,23 @@ def verify(graph: Graph, after: str = "", checked: Graph | None = None) -> None:
     """``checked``: a graph verified before on the same mesh (the one before the pass; the
     caller holds it, so its nodes' ids are not reused). Its nodes that ``graph`` still holds
     passed the check of its nd-SBPs' shapes, the dearest of a node alone, and are not checked
-    again: nodes are never changed in place. What depends on the order and the whole graph
-    (SSA, mutations, the signature, the stage placement) is checked in full every time."""
+    again: nodes are never changed in place; nor is its init region if the pass kept it. What
+    depends on the order and the whole step (SSA, mutations, the signature, the stage
+    placement) is checked in full every time."""
     where = f" after pass {after!r}" if after else ""
     foreign = {i.value for i in graph.inputs if i.kind in (InputKind.BATCH, InputKind.BUFFER)}
     mutating = _mutating_ops(graph.nodes)
     defined = _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, mutating, foreign)
     _verify_overwrites(graph, mutating, where)
-    init_defined = _verify_region(graph.init, set(), where)  # the init region mutates as it likes
     for out in graph.outputs:
         if out.value not in defined:
             raise IRError(f"graph output {out.kind.value} {out.name!r} uses undefined value %{out.value}{where}")
-    for out in graph.init_outputs:
-        if out.value not in init_defined:
-            raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
+    # the init region stands alone (it reads no graph input): the lists ``checked`` holds passed
+    if checked is None or graph.init is not checked.init or graph.init_outputs is not checked.init_outputs:
+        init_defined = _verify_region(graph.init, set(), where)  # the init region mutates as it likes
+        for out in graph.init_outputs:
+            if out.value not in init_defined:
+                raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
     _verify_signature(graph, where)
     seen = {id(n) for n in checked.nodes} if checked is not None and checked.mesh == graph.mesh else set()
     _verify_annotations(graph, where, seen)
@@ -140,15 +143,15 @@ def _verify_signature(graph: Graph, where: str) -> None:
 def _verify_annotations(graph: Graph, where: str, seen: set[int] = frozenset()) -> None:
     """Stage placement all-or-nothing; nd-SBP shapes of the nodes not in ``seen`` (ids)."""
     # Before stage-partition only hinted forward ops carry a stage; once a backward or
-    # optimizer op has one, the partition has run and every op must have one.
-    if any(n.stage is not None and n.role != Role.FORWARD for n in graph.nodes):
-        n = next((n for n in graph.nodes if n.stage is None), None)
-        if n is not None:
-            raise IRError(f"{n.op} has no stage while other ops do{where}", location=_loc(n))
+    # optimizer op has one, the partition has run and every op must have one. (One count
+    # decides the usual cases, every op placed or none, without a walk of the nodes.)
+    stages = [n.stage for n in graph.nodes]
+    if 0 < stages.count(None) < len(stages) and \
+            any(s is not None and n.role != Role.FORWARD for s, n in zip(stages, graph.nodes)):
+        n = graph.nodes[stages.index(None)]
+        raise IRError(f"{n.op} has no stage while other ops do{where}", location=_loc(n))
     naxes = len(graph.mesh.sbp_axes)
-    for n in graph.nodes:
-        if n.sbp is None or id(n) in seen:
-            continue
+    for n in [n for n in graph.nodes if n.sbp is not None and id(n) not in seen]:
         if len(n.sbp) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.sbp)} nd-SBPs for {len(n.outputs)} results{where}", location=_loc(n))
         for nd, t in zip(n.sbp, n.types):
