@@ -9,7 +9,9 @@ missing prerequisite is a one-line error naming the pass, the fact and who provi
 from __future__ import annotations
 
 import dataclasses
+import copy
 import enum
+import operator
 import os
 import sys
 import time
@@ -92,26 +94,34 @@ class PassManager:
                                    hint=f"run {' or '.join(makers)} before {step}" if makers else None)
 
     def run(self, graph: Graph) -> Graph:
-        self._after("capture", graph, 0)
+        checked = self._after("capture", graph, 0)
         for i, p in enumerate(self.passes, start=1):
             t0 = time.perf_counter()
             before = _fields(graph)
             graph = p.apply(graph, self.ctx)
             self._count(p.name, t0)
-            # a pass with nothing to do returns its input, every field the same object: it was
-            # verified already (nodes are never changed in place: Node.uses relies on it too)
-            self._after(p.name, graph, i, verified=all(a is b for a, b in zip(_fields(graph), before)))
+            # a pass with nothing to do returns its input, or a graph whose fields hold the same
+            # objects: it was verified already (nodes are never changed in place: Node.uses
+            # relies on it too)
+            same = all(_same(a, b) for a, b in zip(_fields(graph)[1:], before[1:]))
+            checked = self._after(p.name, graph, i, verified=same, checked=checked) or checked
         return graph
 
     def _count(self, name: str, t0: float) -> None:
         seconds = self.ctx.pass_seconds
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
-    def _after(self, name: str, graph: Graph, index: int, verified: bool = False) -> None:
+    def _after(self, name: str, graph: Graph, index: int, verified: bool = False,
+               checked: Graph | None = None) -> Graph | None:
+        """Verifies ``graph`` (unless ``verified``), only the nodes that ``checked`` (the graph
+        verified last) does not hold checked alone; prints and dumps it as asked. Returns a
+        shallow copy of it once verified: its fields as they were then, whatever a pass later
+        assigns to the graph's."""
+        done = None
         if self.ctx.verify and not verified:
             t0 = time.perf_counter()
             try:
-                verify(graph, after=name)
+                verify(graph, after=name, checked=checked)
             except IRError as err:
                 if index == 0:  # the input: a capture's graph, or the IR a user gave `sbpc opt`
                     raise
@@ -132,6 +142,14 @@ class PassManager:
                 raise OutputError(f"cannot create the --dump-dir {self.ctx.dump_dir!r}: {err.strerror or err}",
                                   hint="pass a directory you can write") from err
             write_atomic(os.path.join(self.ctx.dump_dir, f"{index:02d}-{name}.sbpir"), text)
+        return done
+
+
+def _same(a: object, b: object) -> bool:
+    """One object, or lists of the same objects (a pass that copied a list and changed nothing)."""
+    if a is b:
+        return True
+    return type(a) is list and type(b) is list and len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _fields(graph: Graph) -> tuple:

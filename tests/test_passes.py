@@ -84,6 +84,29 @@ def test_verifier_names_the_pass_that_broke_the_ir():
         PassManager([Breaker()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
 
 
+def test_the_verifier_after_a_pass_checks_its_new_nodes_and_the_order_of_all():
+    """Nodes the pass kept had their nd-SBPs checked before; a new one is checked, and so is the
+    order of every node (a kept node whose producer moved after it)."""
+    from sbpc.runtime.sbp import Split
+
+    class BadSbp:
+        name = "bad-sbp"
+
+        def apply(self, g, ctx):
+            return replace(g, nodes=[replace(g.nodes[0], sbp=[(Split(2),)])] + g.nodes[1:])
+
+    class Swap:
+        name = "swap"
+
+        def apply(self, g, ctx):
+            return replace(g, nodes=g.nodes[::-1])
+
+    with pytest.raises(PassBug, match=r"pass 'bad-sbp' broke the IR: .* splits dim 2 of a rank-2 tensor"):
+        PassManager([BadSbp()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+    with pytest.raises(PassBug, match=r"pass 'swap' broke the IR: aten\.sum\.default uses %y before it is defined"):
+        PassManager([Swap()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+
+
 def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):
     import sbpc.compiler.pass_manager as pm
 
@@ -99,10 +122,10 @@ def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):
         def apply(self, g, ctx):
             return replace(g, name="renamed")
 
-    checked = []
-    monkeypatch.setattr(pm, "verify", lambda g, after="": checked.append(after))
+    checks = []
+    monkeypatch.setattr(pm, "verify", lambda g, after="", checked=None: checks.append(after))
     PassManager([Idle(), Renamer(), Idle()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
-    assert checked == ["capture", "renamer"]
+    assert checks == ["capture", "renamer"]
 
 
 def test_print_after_and_dump_dir(tmp_path):

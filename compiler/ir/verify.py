@@ -17,40 +17,62 @@ from sbpc.runtime.sbp import Split
 from sbpc.errors import IRError
 
 
-def verify(graph: Graph, after: str = "") -> None:
+def verify(graph: Graph, after: str = "", checked: Graph | None = None) -> None:
+    """``checked``: a graph verified before on the same mesh (the one before the pass; the
+    caller holds it, so its nodes' ids are not reused). Its nodes that ``graph`` still holds
+    passed the check of its nd-SBPs' shapes, the dearest of a node alone, and are not checked
+    again: nodes are never changed in place; nor is its init region if the pass kept it. What
+    depends on the order and the whole step (SSA, mutations, the signature, the stage
+    placement) is checked in full every time."""
     where = f" after pass {after!r}" if after else ""
     foreign = {i.value for i in graph.inputs if i.kind in (InputKind.BATCH, InputKind.BUFFER)}
-    defined = _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, allow_mutation=False, foreign=foreign)
-    _verify_overwrites(graph, where)
-    init_defined = _verify_region(graph.init, set(), where, allow_mutation=True)
+    mutating = _mutating_ops(graph.nodes)
+    defined = _verify_region(graph.nodes, {i.value for i in graph.inputs}, where, mutating, foreign)
+    _verify_overwrites(graph, mutating, where)
     for out in graph.outputs:
         if out.value not in defined:
             raise IRError(f"graph output {out.kind.value} {out.name!r} uses undefined value %{out.value}{where}")
-    for out in graph.init_outputs:
-        if out.value not in init_defined:
-            raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
+    # the init region stands alone (it reads no graph input): the lists ``checked`` holds passed
+    if checked is None or graph.init is not checked.init or graph.init_outputs is not checked.init_outputs:
+        init_defined = _verify_region(graph.init, set(), where)  # the init region mutates as it likes
+        for out in graph.init_outputs:
+            if out.value not in init_defined:
+                raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
     _verify_signature(graph, where)
-    _verify_annotations(graph, where)
+    seen = {id(n) for n in checked.nodes} if checked is not None and checked.mesh == graph.mesh else set()
+    _verify_annotations(graph, where, seen)
 
 
-def _verify_region(nodes: list[Node], defined: set[str], where: str, allow_mutation: bool,
+def _mutating_ops(nodes: list[Node]) -> set[str]:
+    """The in-place ops among ``nodes``: the schema is asked once per distinct op, not per node."""
+    return {op for op in {n.op for n in nodes} if is_mutating(op)}
+
+
+def _verify_region(nodes: list[Node], defined: set[str], where: str, forbidden: set[str] = frozenset(),
                    foreign: set[str] = frozenset()) -> set[str]:
     """Checks ``nodes`` given the values ``defined`` before them (not changed); returns those
-    and every value the nodes define."""
-    defined = set(defined)
+    and every value the nodes define. ``forbidden``: the in-place ops among them, which only an
+    update may be (``_update_overwrite``)."""
+    given, defined = defined, set(defined)
+    # a few set operations per node, bound once: the verifier runs after every pass, on ~40k nodes
+    covers, define = defined.issuperset, defined.update
     for n in nodes:
-        if not defined.issuperset(n.uses()):  # one set operation per node: the verifier runs after every pass
+        if not covers(n.uses()):
             use = next(u for u in n.uses() if u not in defined)
             raise IRError(f"{n.op} uses %{use} before it is defined{where}", location=_loc(n))
-        if len(n.types) != len(n.outputs):
-            raise IRError(f"{n.op} has {len(n.outputs)} results but {len(n.types)} types{where}", location=_loc(n))
-        if not allow_mutation and is_mutating(n.op) and not _update_overwrite(n, foreign):
+        outputs = n.outputs
+        if len(n.types) != len(outputs):
+            raise IRError(f"{n.op} has {len(outputs)} results but {len(n.types)} types{where}", location=_loc(n))
+        if forbidden and n.op in forbidden and not _update_overwrite(n, foreign):
             raise IRError(f"{n.op} mutates a tensor in place, which a plan cannot express{where}", location=_loc(n),
                           hint="write the update out of place (x = x + y instead of x += y)")
-        for o in n.outputs:
-            if o in defined:
-                raise IRError(f"value %{o} is defined twice{where}", location=_loc(n))
-            defined.add(o)
+        size = len(defined)
+        define(outputs)
+        if len(defined) != size + len(outputs):  # an output defined before, or twice by this node
+            earlier = nodes[:next(k for k, m in enumerate(nodes) if m is n)]
+            before = given.union(*(m.outputs for m in earlier))
+            twice = next(o for k, o in enumerate(outputs) if o in before or o in outputs[:k])
+            raise IRError(f"value %{twice} is defined twice{where}", location=_loc(n))
     return defined
 
 
@@ -63,25 +85,31 @@ def _update_overwrite(n: Node, foreign: set[str]) -> bool:
     return role and bool(over) and not foreign.intersection(over)
 
 
-def _verify_overwrites(graph: Graph, where: str) -> None:
+def _verify_overwrites(graph: Graph, mutating: set[str], where: str) -> None:
     """A value overwritten in place is read by nothing that runs after it on its device stage
-    (a pipeline's stage runs by its task order), sent by no transfer, and is no graph output."""
-    if not any(is_mutating(n.op) for n in graph.nodes):
+    (a pipeline's stage runs by its task order), sent by no transfer, and is no graph output.
+    ``mutating``: the in-place ops among the nodes."""
+    if not mutating:
         return
     from sbpc.compiler.passes.schedule import execution_positions  # the runtime's task cut and order
 
+    over = {v for n in graph.nodes if n.op in mutating for v in overwritten(n)}
     at = execution_positions(graph)
     outputs = {o.value for o in graph.outputs}
     last: dict[tuple[str, int], tuple[int, int]] = {}
     sent: set[str] = set()
     for (stage, pos), n in zip(at, graph.nodes):
+        if over.isdisjoint(n.uses()):  # most nodes read no overwritten value: one set operation
+            continue
         for u in n.uses():
+            if u not in over:
+                continue
             if n.op == TRANSFER:
                 sent.add(u)
             else:
                 last[(u, stage)] = max(last.get((u, stage), pos), pos)
     for (stage, pos), n in zip(at, graph.nodes):
-        if not is_mutating(n.op):
+        if n.op not in mutating:
             continue
         for v in overwritten(n):
             why = "a graph output" if v in outputs else "sent to another stage" if v in sent \
@@ -112,18 +140,18 @@ def _verify_signature(graph: Graph, where: str) -> None:
             raise IRError(f"init region does not build {sorted(missing)[:3]}{where}")
 
 
-def _verify_annotations(graph: Graph, where: str) -> None:
+def _verify_annotations(graph: Graph, where: str, seen: set[int] = frozenset()) -> None:
+    """Stage placement all-or-nothing; nd-SBP shapes of the nodes not in ``seen`` (ids)."""
     # Before stage-partition only hinted forward ops carry a stage; once a backward or
-    # optimizer op has one, the partition has run and every op must have one.
-    placed = [n.stage is not None for n in graph.nodes]
-    partitioned = any(p and n.role != Role.FORWARD for p, n in zip(placed, graph.nodes))
-    if partitioned and not all(placed):
-        n = graph.nodes[placed.index(False)]
+    # optimizer op has one, the partition has run and every op must have one. (One count
+    # decides the usual cases, every op placed or none, without a walk of the nodes.)
+    stages = [n.stage for n in graph.nodes]
+    if 0 < stages.count(None) < len(stages) and \
+            any(s is not None and n.role != Role.FORWARD for s, n in zip(stages, graph.nodes)):
+        n = graph.nodes[stages.index(None)]
         raise IRError(f"{n.op} has no stage while other ops do{where}", location=_loc(n))
     naxes = len(graph.mesh.sbp_axes)
-    for n in graph.nodes:
-        if n.sbp is None:
-            continue
+    for n in [n for n in graph.nodes if n.sbp is not None and id(n) not in seen]:
         if len(n.sbp) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.sbp)} nd-SBPs for {len(n.outputs)} results{where}", location=_loc(n))
         for nd, t in zip(n.sbp, n.types):

@@ -209,7 +209,10 @@ class _Inserter:
 
 
 def _rename_positions(n: Node, new: list[str]) -> Node:
-    """``n`` with its i-th tensor use renamed to ``new[i]`` (uses are in ``Node.uses`` order)."""
+    """``n`` with its i-th tensor use renamed to ``new[i]`` (uses are in ``Node.uses`` order);
+    ``n`` itself where nothing is renamed, as for most nodes (nodes are never changed in place)."""
+    if n.uses() == tuple(new):
+        return n
     it = iter(new)
     args = tuple(_next_refs(a, it) for a in n.args)
     kwargs = {k: _next_refs(v, it) for k, v in n.kwargs.items()}
