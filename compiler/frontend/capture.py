@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -253,8 +254,11 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
+        # a lazy GraphModule: nothing runs the traced module, and generating its Python code
+        # (fx's recompile, ~1 ms per 30 nodes) would go unread
         with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
-                (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed:
+                (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
+                _use_lazy_graph_module(True):
             try:
                 gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
