@@ -18,9 +18,10 @@ from dataclasses import replace
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
@@ -239,6 +240,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     forward_loc = _forward_location(model)
 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
+        _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
         with autocast(precision):
             loss = torch.func.functional_call(model, state, tuple(batch_vals))
@@ -252,10 +254,13 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
+        # a lazy GraphModule: nothing runs the traced module, and generating its Python code
+        # (fx's recompile, ~1 ms per 30 nodes) would go unread
         with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
-                (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed:
+                (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
+                _use_lazy_graph_module(True):
             try:
-                gm = make_fx(joint, tracing_mode="real", record_stack_traces=True)(
+                gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
             except SbpcError:
                 raise
@@ -272,6 +277,16 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
             graph = trace(None)  # layer 1 is not a template the copies can follow: trace them all
     plain_views(graph)
     return graph
+
+
+def _record_stack_traces() -> None:
+    """From here on, make_fx records each op's stack trace (which gives it the user's file:line),
+    as ``make_fx(record_stack_traces=True)`` would from the start. The placeholders made before
+    ``joint`` runs would get none anyway (the trace keeps only ``forward`` frames, and there is
+    none yet), but each costs a full traceback: ~1,500 of them at 1T, ~0.1 s."""
+    tracer = get_proxy_mode().tracer
+    tracer.record_stack_traces = True
+    tracer._record_forward_stack_traces_only = True  # as make_fx sets it with record_stack_traces
 
 
 def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -> CaptureError:

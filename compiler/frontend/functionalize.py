@@ -69,7 +69,8 @@ class _Functionalizer:
     def visit(self, n: Node) -> None:
         target = n.args[0].name if n.args and isinstance(n.args[0], Ref) else None
         self.role = n.role
-        n = rename_uses(n, self.read)
+        if any(self.read(u) != u for u in n.uses()):  # most ops read nothing written: no copy of them
+            n = rename_uses(n, self.read)
         self.types.update(zip(n.outputs, n.types))
         functional = functional_variant(n.op) if target and not n.outputs[1:] else None
         if functional and self._write(n, target, functional):

@@ -91,7 +91,8 @@ def import_fx(graph: torch.fx.Graph, input_names: list[str] | None = None) -> Im
     tensor constants of ``get_attr`` nodes are attributes of ``graph.owning_module``."""
     names: dict[torch.fx.Node, str] = {}
     given = iter(input_names or [])
-    locs = _forward_locations(graph)
+    where = _Locations()
+    locs = _forward_locations(graph, where)
     nodes: list[Node] = []
     placeholders = []
     outputs: list[Any] = []
@@ -104,7 +105,7 @@ def import_fx(graph: torch.fx.Graph, input_names: list[str] | None = None) -> Im
         elif n.op == "call_function" and n.target is operator.getitem:
             continue  # named when its producer is imported
         elif n.op == "call_function":
-            nodes.append(_import_node(n, names, locs))
+            nodes.append(_import_node(n, names, locs, where))
         elif n.op == "get_attr":
             nodes.append(_import_constant(n, getattr(graph.owning_module, n.target), names))
         else:
@@ -112,7 +113,7 @@ def import_fx(graph: torch.fx.Graph, input_names: list[str] | None = None) -> Im
     return ImportedGraph(nodes, names, placeholders, outputs)
 
 
-def _import_node(n: torch.fx.Node, names: dict, locs: dict) -> Node:
+def _import_node(n: torch.fx.Node, names: dict, locs: dict, where: _Locations) -> Node:
     val = n.meta.get("val")
     if isinstance(val, (tuple, list)):
         picks = {u.args[1]: u for u in n.users if u.target is operator.getitem}
@@ -130,7 +131,7 @@ def _import_node(n: torch.fx.Node, names: dict, locs: dict) -> Node:
     role = Role.BACKWARD if n.meta.get("autograd_backward") else Role.FORWARD
     # Only backward ops borrow the location of their forward op: a forward op that autograd
     # does not track carries a stale seq_nr.
-    loc = (locs.get(n.meta.get("seq_nr")) if role == Role.BACKWARD else None) or _location(n)
+    loc = (locs.get(n.meta.get("seq_nr")) if role == Role.BACKWARD else None) or where(n)
     return Node(outputs=outs, op=str(n.target), args=tuple(convert_arg(a, names) for a in n.args),
                 kwargs={k: convert_arg(v, names) for k, v in n.kwargs.items()}, types=types, role=role, loc=loc)
 
@@ -149,16 +150,31 @@ def _import_constant(n: torch.fx.Node, value: torch.Tensor, names: dict) -> Node
                 {"dtype": DType(ttype.dtype)}, [ttype], Role.FORWARD, loc=_location(n))
 
 
-def _forward_locations(graph: torch.fx.Graph) -> dict[str, SourceLoc]:
+def _forward_locations(graph: torch.fx.Graph, where: _Locations) -> dict[str, SourceLoc]:
     """seq_nr -> location of the forward op; backward ops look theirs up here."""
     out: dict[str, SourceLoc] = {}
     for n in graph.nodes:
         seq = n.meta.get("seq_nr")
         if n.op == "call_function" and not n.meta.get("autograd_backward") and seq not in (None, "-1", -1):
-            loc = _location(n)
+            loc = where(n)
             if loc is not None:
                 out.setdefault(seq, loc)
     return out
+
+
+class _Locations:
+    """``_location`` of the nodes of one graph, parsed once per distinct stack trace and module:
+    a stamped layer's copies share their stack trace strings (``stamp_expand``), so a 1T graph's
+    ~11,000 ops have a few hundred of them."""
+
+    def __init__(self):
+        self._parsed: dict[tuple[str | None, str], SourceLoc | None] = {}
+
+    def __call__(self, n: torch.fx.Node) -> SourceLoc | None:
+        key = (n.meta.get("stack_trace"), (n.meta.get("custom") or {}).get(MODULE_KEY, ""))
+        if key not in self._parsed:
+            self._parsed[key] = _location(n)
+        return self._parsed[key]
 
 
 def _location(n: torch.fx.Node) -> SourceLoc | None:

@@ -115,20 +115,28 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
     inputs.append(lr_input())
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
     outputs.append(GraphOutput(OutputKind.UPDATE, step_out, str(StateName("step"))))
+    # the template's types for a parameter's type: a 1T model has ~1,500 parameters of a handful
+    # of shapes, and ~30,000 update ops
+    retyped: dict[tuple[TensorType, TensorType], TensorType] = {}
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
         tpl = _template(cfg, ttype.dtype)
         loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
         states = [(f"{s}_{i}", str(StateName(s, fqn))) for s in cfg.state_names]
         for sval, sname in states:
             inputs.append(GraphInput(InputKind.STATE, sval, ttype, sname))
-        rename = dict(zip((tpl.names[p] for p in tpl.placeholders),
-                          [value, grad, *(s for s, _ in states), step_out, LR_VALUE]))
+        given = dict(zip((tpl.names[p] for p in tpl.placeholders),
+                         [value, grad, *(s for s, _ in states), step_out, LR_VALUE]))
+        prefix = f"opt{i}_"
+        rename = lambda v: given[v] if v in given else prefix + v  # the template's own values get the prefix
         for n in tpl.nodes:
-            rename.update({o: f"opt{i}_{o}" for o in n.outputs})
-            nodes.append(Node([rename[o] for o in n.outputs], n.op, map_refs(n.args, rename.__getitem__),
-                              map_refs(n.kwargs, rename.__getitem__), [_retype(t, ttype) for t in n.types],
-                              Role.OPTIMIZER, loc=loc))
-        results = [rename[tpl.names[o]] for o in tpl.outputs]
+            types = []
+            for t in n.types:
+                if (t, ttype) not in retyped:
+                    retyped[(t, ttype)] = _retype(t, ttype)
+                types.append(retyped[(t, ttype)])
+            nodes.append(Node([prefix + o for o in n.outputs], n.op, map_refs(n.args, rename),
+                              map_refs(n.kwargs, rename), types, Role.OPTIMIZER, loc=loc))
+        results = [rename(tpl.names[o]) for o in tpl.outputs]
         outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
         outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))
 

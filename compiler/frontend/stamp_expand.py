@@ -35,6 +35,8 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
     forward_env: dict[int, dict] = {}  # layer -> template node -> its copy
     inputs: dict[int, list] = {}  # layer -> what its opaque op was given, re-bound
     sites: dict[int, tuple] = {}  # layer -> the stack frames of its call site
+    # a template node's name before its counter, once for all its copies
+    bases = {n: _base(graph, n) for n in t.forward + t.backward} if t else {}
     for n in nodes:
         if n.op == "call_function" and n.target in (MARK, MARK_GRAD):
             env[n] = env[n.args[2]]
@@ -43,7 +45,7 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
             inputs[k] = [env[x] for x in n.args[1]]
             sites[k] = t.stacks.call_site(n)
             bound = dict(zip(t.inputs, inputs[k]))
-            forward_env[k] = _copy(graph, t.forward, bound, stamper.repeated.path, k, n, t, sites[k])
+            forward_env[k] = _copy(graph, t.forward, bound, stamper.repeated.path, k, n, t, sites[k], bases)
             for j, out in enumerate(t.outputs):
                 env[(n, j)] = forward_env[k][out] if out in forward_env[k] else bound[out]
         elif n.op == "call_function" and n.target is LAYER_BACKWARD:
@@ -56,7 +58,7 @@ def expand(gm: torch.fx.GraphModule, stamper: Stamper, state_names: list[str]) -
             for g, j in t.incoming.items():
                 bound[g] = env[n.args[1][j]]
             bound.update(zip(t.inputs, inputs[k]))
-            made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t, sites[k])
+            made = _copy(graph, t.backward, bound, stamper.repeated.path, k, n, t, sites[k], bases)
             for i, g in enumerate(t.outgoing):
                 env[(n, i)] = made.get(g, bound.get(g))
         elif n.op == "call_function" and n.target is operator.getitem and n.args[0].target in (LAYER, LAYER_BACKWARD):
@@ -193,18 +195,18 @@ def _check_closed(r: _Regions) -> None:
 
 
 def _copy(graph: torch.fx.Graph, template: list[torch.fx.Node], bound: dict, path: str, k: int,
-          site: torch.fx.Node, regions: _Regions, call_site: tuple[str, ...]) -> dict:
+          site: torch.fx.Node, regions: _Regions, call_site: tuple[str, ...], bases: dict) -> dict:
     """Copies of ``template`` for layer ``k``: arguments re-bound (``bound``, then the copies),
     module paths ``{path}.1...`` -> ``{path}.{k}...``, autograd sequence numbers per copy (a
     backward op finds its forward op's location by it), the stage scope and the stack frames
-    of layer k's call site."""
+    of layer k's call site. ``bases``: each template node's ``_base``."""
     own = regions.seq_nrs
     made: dict = {}
     look = lambda a: made[a] if a in made else bound[a]
     old, new = f"{path}.1", f"{path}.{k}"
     stage = (site.meta.get("custom") or {}).get(STAGE_KEY) if site.target is LAYER else None
     for n in template:
-        c = _create(graph, n, torch.fx.node.map_arg(n.args, look), torch.fx.node.map_arg(n.kwargs, look), _base(graph, n))
+        c = _create(graph, n, torch.fx.node.map_arg(n.args, look), torch.fx.node.map_arg(n.kwargs, look), bases[n])
         meta = dict(n.meta)
         custom = dict(meta.get("custom") or {})
         module = custom.get(MODULE_KEY)
