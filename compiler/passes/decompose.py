@@ -16,7 +16,9 @@ same value with ops that have SBP rules:
   weight, and its backward likewise: with the batch split, the sum and the weight count are
   partial, so the mean is exact even when ignored targets are spread unevenly. Without class
   weights the count is taken from the targets alone (``sum(target != ignore_index)``), so it
-  never waits for the logits: micro-batches learn the whole batch's count up front.
+  never waits for the logits: micro-batches learn the whole batch's count up front;
+- ``index(x, [arange(B)[:, None], arange(L)[None, :]])``, indices that read ``x`` in order,
+  = ``x.reshape`` (``iota_index.py``): a padding mask indexed so splits with its batch.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
+from sbpc.compiler.passes.iota_index import iota_reshape
 
 _MEAN, _SUM = 1, 2
 
@@ -45,7 +48,11 @@ class Decompose:
         fresh = FreshNames({i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs})
         nodes: list[Node] = []
         types = graph.value_types()
+        producers = {o: n for n in graph.nodes for o in n.outputs}
         for n in graph.nodes:
+            if n.op == "aten.index.Tensor" and (as_view := iota_reshape(n, producers, types)) is not None:
+                nodes.append(as_view)
+                continue
             rewrite = _REWRITES.get(n.op) if class_split or n.op not in _CLASS_DIM else None
             nodes.extend(rewrite(n, fresh, types) if rewrite else [n])
         return replace(graph, nodes=nodes)
