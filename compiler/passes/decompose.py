@@ -18,7 +18,9 @@ same value with ops that have SBP rules:
   weights the count is taken from the targets alone (``sum(target != ignore_index)``), so it
   never waits for the logits: micro-batches learn the whole batch's count up front;
 - ``index(x, [arange(B)[:, None], arange(L)[None, :]])``, indices that read ``x`` in order,
-  = ``x.reshape`` (``iota_index.py``): a padding mask indexed so splits with its batch.
+  = ``x.reshape`` (``iota_index.py``): a padding mask indexed so splits with its batch;
+- ``_embedding_bag`` (sum or mean) of ``[B, L]`` ids, whose offsets ``arange(0, B*L, L)`` a
+  batch split cannot cut, and its backward = a lookup and a sum over L (``embedding_bag.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
+from sbpc.compiler.passes.embedding_bag import rewrite_bags
 from sbpc.compiler.passes.iota_index import iota_reshape
 
 _MEAN, _SUM = 1, 2
@@ -49,7 +52,11 @@ class Decompose:
         nodes: list[Node] = []
         types = graph.value_types()
         producers = {o: n for n in graph.nodes for o in n.outputs}
-        for n in graph.nodes:
+        bags = rewrite_bags(graph.nodes, fresh, producers, types)
+        for i, n in enumerate(graph.nodes):
+            if i in bags:
+                nodes.extend(bags[i])
+                continue
             if n.op == "aten.index.Tensor" and (as_view := iota_reshape(n, producers, types)) is not None:
                 nodes.append(as_view)
                 continue
