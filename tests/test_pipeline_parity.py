@@ -136,3 +136,11 @@ def test_embedding_bag_max_on_a_pipeline_is_refused_naming_the_op():
                       optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
     assert err.value.message.startswith("aten._embedding_bag.default has no SBP rule"), err.value.message
     assert "tests/models/embedding_bag.py:15" in str(err.value.location), err.value.location
+
+
+@pytest.mark.parametrize("mesh", ["1x1x2", "2x2x2"])
+def test_row_pick_by_arange_pipeline_parity(mesh):
+    """x[arange(B), j] picks a value per row (a pooled token, a label's log-probability):
+    decompose makes it a gather along dim 1 and its backward a scatter_add, which split with
+    the micro-batches (as an index the rows needed the whole batch)."""
+    _check("tests/models/row_pick.py", "--mesh", mesh)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.ir.types import Node, Ref
+import torch
+
+from sbpc.compiler.ir.types import Node, Ref, TensorType
 
 _INTS = ("i64", "i32", "i16", "i8", "u8")
 # ops whose result holds the input's values in the input's order (same count): a range stays one
@@ -73,3 +75,54 @@ def iota_reshape(n: Node, producers: dict[str, Node], types) -> Node | None:
     if len([s for s in out if s != 1]) != len([s for s in shape if s != 1]):
         return None  # a range broadcast against another along one dim (a diagonal)
     return replace(n, op="aten.reshape.default", args=(self, list(out)), kwargs={}, sbp=None)
+
+
+def _row_range(ix: Ref, rows: int, width: int, producers: dict[str, Node], types) -> bool:
+    """Whether index ``ix`` is ``arange(rows)`` along the first of ``width`` broadcast dims."""
+    t = types[ix.name]
+    long = [d for d, s in enumerate(t.shape) if s != 1]
+    return t.dtype in _INTS and _range_length(ix.name, producers) == rows and (rows == 1 or long == [width - len(t.shape)] == [0])
+
+
+def row_gather(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] | None:
+    """``self[arange(B), j]`` (a value per row: CLIP's pooled token, a label's log-probability)
+    as ``gather`` along dim 1, and its backward ``index_put`` (``[arange(B), j] += v``) as
+    ``scatter_add``: each row reads (writes) its own row, which a batch split keeps local. As an
+    index the rows would need the whole tensor. Negative ``j`` wraps as indexing does."""
+    put = n.op == "aten.index_put.default"
+    self, indices = n.args[0], n.args[1]
+    if not isinstance(self, Ref) or not isinstance(indices, (list, tuple)) or len(indices) != 2 \
+            or not all(isinstance(i, Ref) for i in indices):
+        return None
+    shape, (first, col) = types[self.name].shape, indices
+    if len(shape) < 2 or types[col.name].dtype != "i64":
+        return None
+    wide = tuple(torch.broadcast_shapes(types[first.name].shape, types[col.name].shape))
+    if not wide or wide[0] != shape[0] or not _row_range(first, shape[0], len(wide), producers, types):
+        return None
+    rest = list(shape[2:])
+    b, q = shape[0], 1
+    for s in wide[1:]:
+        q *= s
+    like = lambda o, op, args, t: replace(n, outputs=[o], op=op, args=tuple(args), kwargs={}, types=[t], sbp=None)
+    out = n.outputs[0]
+    names = {k: fresh(f"{out}_{k}") for k in ("cols", "wrap", "rows", "each", "vals", "flat")}
+    it = lambda s: TensorType(tuple(s), "i64")
+    nodes = [like(names["cols"], "aten.expand.default", [col, list(wide)], it(wide)),
+             like(names["wrap"], "aten.remainder.Scalar", [Ref(names["cols"]), shape[1]], it(wide)),
+             like(names["rows"], "aten.reshape.default", [Ref(names["wrap"]), [b, q] + [1] * len(rest)], it([b, q] + [1] * len(rest))),
+             like(names["each"], "aten.expand.default", [Ref(names["rows"]), [b, q] + rest], it([b, q] + rest))]
+    dt = n.types[0].dtype
+    if not put:
+        nodes.append(like(names["flat"], "aten.gather.default", [self, 1, Ref(names["each"])], TensorType((b, q, *rest), dt)))
+        nodes.append(like(out, "aten.reshape.default", [Ref(names["flat"]), list(wide) + rest], n.types[0]))
+        return nodes
+    values = n.args[2]
+    if not isinstance(values, Ref):
+        return None
+    full = list(wide) + rest
+    nodes.append(like(names["vals"], "aten.expand.default", [values, full], TensorType(tuple(full), dt)))
+    nodes.append(like(names["flat"], "aten.reshape.default", [Ref(names["vals"]), [b, q] + rest], TensorType((b, q, *rest), dt)))
+    op = "aten.scatter_add.default" if len(n.args) > 3 and n.args[3] else "aten.scatter.src"
+    nodes.append(like(out, op, [self, 1, Ref(names["each"]), Ref(names["flat"])], n.types[0]))
+    return nodes
