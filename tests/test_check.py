@@ -72,6 +72,24 @@ def test_frozen_parameter_is_loaded_and_compared_as_a_buffer():
     assert report.passed, report.table()
 
 
+@pytest.mark.parametrize("mesh,m", [("1", 1), ("2x2", 1), ("1x1x2", 2)])
+def test_parameter_without_gradient_stays_as_built(mesh, m):
+    """A parameter the loss does not reach gets no gradient: torch's AdamW skips it (grad None),
+    and the plan, which takes it as a buffer, leaves it as built too."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.passes import PipelineOptions
+
+    plan = compile_model(load_model("tests/models/unused_param.py"), parse_mesh(mesh).with_microbatches(m), batch_size=4,
+                         optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=m)).plan
+    frozen = ["pooler.weight", "pooler.bias", "unused_head.weight", "unused_head.bias"]
+    assert sorted(b.name for b in plan.buffers) == sorted(frozen)
+    assert not {p.name for p in plan.params} & set(frozen)
+    report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed, report.table()
+
+
 def test_group_norm_splits_the_micro_batches_of_a_pipeline():
     from sbpc.compiler.driver import compile_model
     from sbpc.compiler.ir.mesh import parse_mesh

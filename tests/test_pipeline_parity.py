@@ -119,3 +119,28 @@ def test_the_cost_model_decides_whether_an_activation_crosses_whole_or_cut_along
     big = transfers(hidden=512, heads=8, vocab=2048, seq=64)  # 512 KB: send half, gather on tp
     half = rows * 64 * 512 * 4 // 2
     assert ("transfer", "pp", "fwd", half) in big and ("all_gather", "tp", "fwd", half) in big, big
+
+
+@pytest.mark.parametrize("mode,mesh", [("mean", "1x1x2"), ("sum", "2x2x2")])
+def test_embedding_bag_pipeline_parity(mode, mesh):
+    """nn.EmbeddingBag's offsets index the whole batch; decompose makes equal bags a lookup and
+    a sum over each row, which split with the micro-batches."""
+    _check("tests/models/embedding_bag.py", "--set", f"mode={mode}", "--mesh", mesh)
+
+
+def test_embedding_bag_max_on_a_pipeline_is_refused_naming_the_op():
+    from sbpc.errors import CompileError
+
+    with pytest.raises(CompileError) as err:
+        compile_model(load_model("tests/models/embedding_bag.py", {"mode": "max"}), parse_mesh("1x1x2"), batch_size=4,
+                      optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten._embedding_bag.default has no SBP rule"), err.value.message
+    assert "tests/models/embedding_bag.py:15" in str(err.value.location), err.value.location
+
+
+@pytest.mark.parametrize("mesh", ["1x1x2", "2x2x2"])
+def test_row_pick_by_arange_pipeline_parity(mesh):
+    """x[arange(B), j] picks a value per row (a pooled token, a label's log-probability):
+    decompose makes it a gather along dim 1 and its backward a scatter_add, which split with
+    the micro-batches (as an index the rows needed the whole batch)."""
+    _check("tests/models/row_pick.py", "--mesh", mesh)

@@ -3,7 +3,8 @@ compiled with no config file (the cost model chooses every layout) and checked a
 PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
 Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
-LM), T5 (encoder-decoder; its decoder input is filled in place), Bloom (ALiBi), a decoder made of
+LM; and fine-tuned for token classification on padded rows, its pooler unused), T5
+(encoder-decoder; its decoder input is filled in place), Bloom (ALiBi), a decoder made of
 PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent model of ``nn.LSTM`` and ``nn.GRU``, and
 the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read from a tensor
 while building) and Swin (shifted windows; an ``as_strided`` pooler).
@@ -35,6 +36,7 @@ ZOO = {
     "gptj": "tests/zoo/gptj.py",
     "opt": "tests/zoo/opt.py",
     "bert": "tests/zoo/bert.py",
+    "bert_padded": "tests/zoo/bert_padded.py",
     "torch_decoder": "tests/zoo/torch_decoder.py",
     "t5": "tests/zoo/t5.py",
     "rnn": "tests/zoo/rnn.py",

@@ -102,11 +102,11 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     value = lambda fx_node: renamed.get(names[fx_node], names[fx_node])
     loss, *grads = imported.outputs
     outputs = [GraphOutput(OutputKind.LOSS, value(loss), "loss")]
-    for (fqn, _), g in zip(params, grads):
-        if g is None:
-            raise ModelError(f"parameter {fqn!r} does not receive a gradient from the loss",
-                             hint="remove it, or freeze it with requires_grad_(False)")
-        outputs.append(GraphOutput(OutputKind.GRAD, value(g), fqn))
+    # a parameter the loss does not reach (a pooler the loss skips) gets no gradient: torch.optim
+    # skips it (grad None) and leaves it as it is, so the plan takes it as a frozen one, a buffer
+    unused = {fqn for (fqn, _), g in zip(params, grads) if g is None}
+    inputs = [replace(i, kind=InputKind.BUFFER) if i.kind == InputKind.PARAM and i.name in unused else i for i in inputs]
+    outputs += [GraphOutput(OutputKind.GRAD, value(g), fqn) for (fqn, _), g in zip(params, grads) if g is not None]
     found = None
     if precision.loss_scaling:  # the optimizer reads, and the step returns, unscaled gradients
         types = {v: t for n in nodes for v, t in zip(n.outputs, n.types)}
@@ -212,6 +212,12 @@ def plan_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     sinusoidal positions), then the module's buffers."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     return frozen + list(model.named_buffers())
+
+
+def plan_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a plan may take, parameter or buffer, by name: a parameter the loss does not
+    reach is a plan buffer though it requires grad (``capture``)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
 
 
 def _build(source: ModelSource) -> torch.nn.Module:

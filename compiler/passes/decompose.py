@@ -16,7 +16,12 @@ same value with ops that have SBP rules:
   weight, and its backward likewise: with the batch split, the sum and the weight count are
   partial, so the mean is exact even when ignored targets are spread unevenly. Without class
   weights the count is taken from the targets alone (``sum(target != ignore_index)``), so it
-  never waits for the logits: micro-batches learn the whole batch's count up front.
+  never waits for the logits: micro-batches learn the whole batch's count up front;
+- ``index(x, [arange(B)[:, None], arange(L)[None, :]])``, indices that read ``x`` in order,
+  = ``x.reshape`` (``iota_index.py``): a padding mask indexed so splits with its batch; a pick
+  per row ``x[arange(B), j]`` = ``gather`` along dim 1, its backward ``scatter_add``;
+- ``_embedding_bag`` (sum or mean) of ``[B, L]`` ids, whose offsets ``arange(0, B*L, L)`` a
+  batch split cannot cut, and its backward = a lookup and a sum over L (``embedding_bag.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
+from sbpc.compiler.passes.embedding_bag import rewrite_bags
+from sbpc.compiler.passes.iota_index import iota_reshape, row_gather
 
 _MEAN, _SUM = 1, 2
 
@@ -45,7 +52,19 @@ class Decompose:
         fresh = FreshNames({i.value for i in graph.inputs} | {o for n in graph.nodes for o in n.outputs})
         nodes: list[Node] = []
         types = graph.value_types()
-        for n in graph.nodes:
+        producers = {o: n for n in graph.nodes for o in n.outputs}
+        bags = rewrite_bags(graph.nodes, fresh, producers, types)
+        for i, n in enumerate(graph.nodes):
+            if i in bags:
+                nodes.extend(bags[i])
+                continue
+            if n.op == "aten.index.Tensor" and (as_view := iota_reshape(n, producers, types)) is not None:
+                nodes.append(as_view)
+                continue
+            if n.op in ("aten.index.Tensor", "aten.index_put.default") and \
+                    (per_row := row_gather(n, fresh, producers, types)) is not None:
+                nodes.extend(per_row)
+                continue
             rewrite = _REWRITES.get(n.op) if class_split or n.op not in _CLASS_DIM else None
             nodes.extend(rewrite(n, fresh, types) if rewrite else [n])
         return replace(graph, nodes=nodes)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
-from sbpc.compiler.frontend.capture import plan_buffers
+from sbpc.compiler.frontend.capture import plan_buffers, plan_tensors
 from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
@@ -269,7 +269,7 @@ class Eager:
         ``step``, fp16's scale state)."""
         if self.scaler is not None:
             self.scaler.load(states)
-        own_buffers = dict(plan_buffers(self.model))
+        own_buffers = plan_tensors(self.model)
         with torch.no_grad():
             for name, t in params.items():
                 self.named[name].copy_(t)
@@ -356,7 +356,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
     report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
     eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
-    eager_state = dict(eager.named) | dict(plan_buffers(eager.model))
+    eager_state = plan_tensors(eager.model)
     init = Deviation()
     for name, t in weights.items():
         init.update(name, deviation(t, eager_state[name], max(amax(eager_state[name]), 1e-12)))
@@ -379,7 +379,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
         # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
-        eager_buffers = dict(plan_buffers(eager.model))
+        eager_buffers = plan_tensors(eager.model)
         for name, got in new_buffers.items():
             ref = eager_buffers[name]
             row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
