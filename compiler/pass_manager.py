@@ -128,9 +128,10 @@ class PassManager:
                 raise PassBug(f"pass {name!r} broke the IR: {err.message}" +
                               (f" (at {err.location})" if err.location else "")) from err
             self._count("verify", t0)
+            done = copy.copy(graph)
         wants_print = self.ctx.print_after_all or name in self.ctx.print_after
         if not (wants_print or self.ctx.dump_dir):
-            return
+            return done
         text = print_graph(graph)
         if wants_print:
             print(f"// ----- IR after {name} -----", file=self.ctx.log)

@@ -128,6 +128,28 @@ def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):
     assert checks == ["capture", "renamer"]
 
 
+def test_the_verifier_is_handed_the_graph_it_verified_last(monkeypatch):
+    """The verifier skips the nd-SBP checks of the nodes the graph it verified last holds: the
+    pass manager must hand it that graph (a copy of its fields as they were then), after every
+    pass but the first check."""
+    import sbpc.compiler.pass_manager as pm
+
+    class Renamer:
+        name = "renamer"
+
+        def apply(self, g, ctx):
+            return replace(g, name=g.name + "'")
+
+    calls = []
+    monkeypatch.setattr(pm, "verify", lambda g, after="", checked=None: calls.append((g, checked)))
+    captured = graph(OK_BODY)
+    PassManager([Renamer(), Renamer()], CompileContext(log=io.StringIO())).run(captured)
+    (g0, c0), (g1, c1), (g2, c2) = calls
+    assert g0 is captured and c0 is None
+    assert c1 is not None and c1.name == g0.name and c1.nodes is g0.nodes
+    assert c2 is not None and c2.name == g1.name and c2.nodes is g1.nodes
+
+
 def test_print_after_and_dump_dir(tmp_path):
     log = io.StringIO()
     ctx = CompileContext(print_after={"dce"}, dump_dir=str(tmp_path), log=log)
