@@ -9,11 +9,10 @@ batch-split padding mask was gathered over micro-batches; as a reshape it splits
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from sbpc.compiler.ir.types import Node, Ref, TensorType
+from sbpc.compiler.passes.decompose.like import like as make
 
 _INTS = ("i64", "i32", "i16", "i8", "u8")
 # ops whose result holds the input's values in the input's order (same count): a range stays one
@@ -74,14 +73,16 @@ def iota_reshape(n: Node, producers: dict[str, Node], types) -> Node | None:
             last = at
     if len([s for s in out if s != 1]) != len([s for s in shape if s != 1]):
         return None  # a range broadcast against another along one dim (a diagonal)
-    return replace(n, op="aten.reshape.default", args=(self, list(out)), kwargs={}, sbp=None)
+    return make(n, n.outputs, "aten.reshape.default", (self, list(out)), n.types)
 
 
 def _row_range(ix: Ref, rows: int, width: int, producers: dict[str, Node], types) -> bool:
     """Whether index ``ix`` is ``arange(rows)`` along the first of ``width`` broadcast dims."""
     t = types[ix.name]
     long = [d for d, s in enumerate(t.shape) if s != 1]
-    return t.dtype in _INTS and _range_length(ix.name, producers) == rows and (rows == 1 or long == [width - len(t.shape)] == [0])
+    # its one long dim is the first of the broadcast ones (a 1-row range has none)
+    along_rows = rows == 1 or (len(t.shape) == width and long == [0])
+    return t.dtype in _INTS and _range_length(ix.name, producers) == rows and along_rows
 
 
 def row_gather(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] | None:
@@ -104,7 +105,7 @@ def row_gather(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] 
     b, q = shape[0], 1
     for s in wide[1:]:
         q *= s
-    like = lambda o, op, args, t: replace(n, outputs=[o], op=op, args=tuple(args), kwargs={}, types=[t], sbp=None)
+    like = lambda o, op, args, t: make(n, [o], op, args, [t])  # one result each
     out = n.outputs[0]
     names = {k: fresh(f"{out}_{k}") for k in ("cols", "wrap", "rows", "each", "vals", "flat")}
     it = lambda s: TensorType(tuple(s), "i64")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sbpc.compiler.ir.types import Node, Ref, TensorType
+from sbpc.compiler.passes.decompose.like import like as make
 
 _SUM, _MEAN = 0, 1
 FORWARD, BACKWARD = "aten._embedding_bag.default", "aten._embedding_bag_backward.default"
@@ -66,7 +67,7 @@ def _rewrite(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] | 
     out = n.outputs[0]
     ids = fresh(f"{out}_ids")
     ids_t = TensorType((b, length), types[indices.name].dtype)
-    like = lambda o, op, args, t: replace(n, outputs=[o], op=op, args=tuple(args), kwargs={}, types=[t], sbp=None)
+    like = lambda o, op, args, t: make(n, [o], op, args, [t])  # one result each
     nodes = [like(ids, "aten.reshape.default", [indices, [b, length]], ids_t)]
     if n.op == FORWARD:
         t = n.types[0]

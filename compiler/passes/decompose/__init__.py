@@ -31,8 +31,9 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import DType, FreshNames, Graph, Node, Ref, TensorType
-from sbpc.compiler.passes.embedding_bag import rewrite_bags
-from sbpc.compiler.passes.iota_index import iota_reshape, row_gather
+from sbpc.compiler.passes.decompose.embedding_bag import rewrite_bags
+from sbpc.compiler.passes.decompose.iota_index import iota_reshape, row_gather
+from sbpc.compiler.passes.decompose.like import like
 
 _MEAN, _SUM = 1, 2
 
@@ -70,10 +71,6 @@ class Decompose:
         return replace(graph, nodes=nodes)
 
 
-def _like(n: Node, outputs, op, args, types, kwargs=None) -> Node:
-    return replace(n, outputs=outputs, op=op, args=tuple(args), kwargs=kwargs or {}, types=types, sbp=None)
-
-
 def _log_softmax(n: Node, fresh, types) -> list[Node]:
     x, dim = n.args[0], n.args[1]
     t = n.types[0]
@@ -81,12 +78,12 @@ def _log_softmax(n: Node, fresh, types) -> list[Node]:
     out = n.outputs[0]
     m, s, e, z, lz = (fresh(f"{out}_{k}") for k in ("max", "shifted", "exp", "sum", "logsum"))
     return [
-        _like(n, [m], "aten.amax.default", [x, [dim], True], [red]),
-        _like(n, [s], "aten.sub.Tensor", [x, Ref(m)], [t]),
-        _like(n, [e], "aten.exp.default", [Ref(s)], [t]),
-        _like(n, [z], "aten.sum.dim_IntList", [Ref(e), [dim], True], [red]),
-        _like(n, [lz], "aten.log.default", [Ref(z)], [red]),
-        _like(n, [out], "aten.sub.Tensor", [Ref(s), Ref(lz)], [t]),
+        like(n, [m], "aten.amax.default", [x, [dim], True], [red]),
+        like(n, [s], "aten.sub.Tensor", [x, Ref(m)], [t]),
+        like(n, [e], "aten.exp.default", [Ref(s)], [t]),
+        like(n, [z], "aten.sum.dim_IntList", [Ref(e), [dim], True], [red]),
+        like(n, [lz], "aten.log.default", [Ref(z)], [red]),
+        like(n, [out], "aten.sub.Tensor", [Ref(s), Ref(lz)], [t]),
     ]
 
 
@@ -97,10 +94,10 @@ def _log_softmax_backward(n: Node, fresh, types) -> list[Node]:
     out = n.outputs[0]
     sg, e, p = (fresh(f"{out}_{k}") for k in ("gsum", "exp", "prod"))
     return [
-        _like(n, [sg], "aten.sum.dim_IntList", [g, [dim], True], [red]),
-        _like(n, [e], "aten.exp.default", [y], [t]),
-        _like(n, [p], "aten.mul.Tensor", [Ref(e), Ref(sg)], [t]),
-        _like(n, [out], "aten.sub.Tensor", [g, Ref(p)], [t]),
+        like(n, [sg], "aten.sum.dim_IntList", [g, [dim], True], [red]),
+        like(n, [e], "aten.exp.default", [y], [t]),
+        like(n, [p], "aten.mul.Tensor", [Ref(e), Ref(sg)], [t]),
+        like(n, [out], "aten.sub.Tensor", [g, Ref(p)], [t]),
     ]
 
 
@@ -113,8 +110,8 @@ def _nll_loss_forward(n: Node, fresh, types) -> list[Node]:
     args[3] = _SUM
     if n.args[2] is not None:  # class weights: the total weight comes out of the kernel
         return [
-            _like(n, [total, weight], n.op, args, n.types, n.kwargs),
-            _like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
+            like(n, [total, weight], n.op, args, n.types, n.kwargs),
+            like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
         ]
     # Without class weights the total weight is the count of targets not ignored. Counted from
     # the targets alone it does not depend on the logits, so with micro-batches the count of
@@ -123,10 +120,10 @@ def _nll_loss_forward(n: Node, fresh, types) -> list[Node]:
     kept, unused = fresh(f"{out}_kept"), fresh(f"{weight}_kernel")
     mask = TensorType(types[target.name].shape, "bool")
     return [
-        _like(n, [total, unused], n.op, args, n.types, n.kwargs),
-        _like(n, [kept], "aten.ne.Scalar", [target, ignore], [mask]),
-        _like(n, [weight], "aten.sum.default", [Ref(kept)], [n.types[1]], {"dtype": DType(n.types[1].dtype)}),
-        _like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
+        like(n, [total, unused], n.op, args, n.types, n.kwargs),
+        like(n, [kept], "aten.ne.Scalar", [target, ignore], [mask]),
+        like(n, [weight], "aten.sum.default", [Ref(kept)], [n.types[1]], {"dtype": DType(n.types[1].dtype)}),
+        like(n, [out], "aten.div.Tensor", [Ref(total), Ref(weight)], [n.types[0]]),
     ]
 
 
@@ -139,8 +136,8 @@ def _nll_loss_backward(n: Node, fresh, types) -> list[Node]:
     args[0], args[4] = Ref(scaled), _SUM
     grad_type = TensorType((), n.types[0].dtype)
     return [
-        _like(n, [scaled], "aten.div.Tensor", [g, weight], [grad_type]),
-        _like(n, n.outputs, n.op, args, n.types, n.kwargs),
+        like(n, [scaled], "aten.div.Tensor", [g, weight], [grad_type]),
+        like(n, n.outputs, n.op, args, n.types, n.kwargs),
     ]
 
 
