@@ -144,3 +144,10 @@ def test_row_pick_by_arange_pipeline_parity(mesh):
     decompose makes it a gather along dim 1 and its backward a scatter_add, which split with
     the micro-batches (as an index the rows needed the whole batch)."""
     _check("tests/models/row_pick.py", "--mesh", mesh)
+
+
+@pytest.mark.parametrize("mesh", ["2x2", "2x2x2"])
+def test_torch_transformer_with_a_causal_mask_made_in_forward(mesh):
+    """nn.Transformer reads the value of the mask it is given (is it causal?); the mask is made
+    in forward from constants, so the trace evaluates the read instead of refusing it."""
+    _check("tests/models/torch_transformer.py", "--mesh", mesh, "--set", "layers=2")

@@ -28,6 +28,7 @@ from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type,
 from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
+from sbpc.compiler.frontend.constant_reads import ConstantReads
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -248,7 +249,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
-        with autocast(precision):
+        with autocast(precision), ConstantReads():
             loss = torch.func.functional_call(model, state, tuple(batch_vals))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
