@@ -151,3 +151,10 @@ def test_torch_transformer_with_a_causal_mask_made_in_forward(mesh):
     """nn.Transformer reads the value of the mask it is given (is it causal?); the mask is made
     in forward from constants, so the trace evaluates the read instead of refusing it."""
     _check("tests/models/torch_transformer.py", "--mesh", mesh, "--set", "layers=2")
+
+
+@pytest.mark.parametrize("mesh", ["1x1x2", "2x2x2"])
+def test_scan_written_into_slices_pipeline_parity(mesh):
+    """out[:, t] = state in a loop: autograd's backward makes each gradient buffer with
+    new_empty_strided, which normalize makes a plain factory that splits with the micro-batches."""
+    _check("tests/models/scan_writes.py", "--mesh", mesh)

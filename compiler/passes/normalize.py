@@ -7,6 +7,10 @@
 - ``x.new_zeros(size)`` (``new_ones``, ``new_full``, ``new_empty``) becomes ``zeros(size,
   dtype=x's)``: ``x`` gives only a dtype and a device, and as an operand it would tie the new
   tensor's layout to its own (a batch ``x`` gathered over micro-batches for a fresh tensor).
+  ``new_empty_strided`` (autograd's buffer for a value a backward copies into: RWKV's and
+  RecurrentGemma's scans) is such a ``new_empty`` where its stride is dense (row-major, or a
+  permutation of it) and no ``as_strided`` reads it: its values are unset, and the plan's ops
+  read values, not memory layouts; another stays as it is.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ _IDENTITY = {"aten.detach.default", "aten.alias.default"}
 _FACTORY_OF = {"aten.new_zeros.default": "aten.zeros.default", "aten.new_ones.default": "aten.ones.default",
                "aten.new_full.default": "aten.full.default", "aten.new_empty.default": "aten.empty.memory_format"}
 
+_NEW_EMPTY_STRIDED = "aten.new_empty_strided.default"
+
 
 @dataclass
 class Normalize:
@@ -36,6 +42,7 @@ class Normalize:
         rename: dict[str, str] = {}
         nodes: list[Node] = []
         types: dict[str, TensorType] = {}  # made at the first new_* op: most graphs have none
+        strided: set[str] | None = None  # likewise
         for n in graph.nodes:
             if any(u in rename for u in n.uses()):  # a copy only where a use changes: most nodes keep theirs
                 n = rename_uses(n, lambda v: rename.get(v, v))
@@ -45,6 +52,9 @@ class Normalize:
                 continue
             if n.op in _ATTENTION:
                 n = _neutral_attention(n)
+            if n.op == _NEW_EMPTY_STRIDED:
+                strided = _as_strided_reads(graph) if strided is None else strided
+                n = _unstrided(n, strided)
             if n.op in _FACTORY_OF:
                 types = types or graph.value_types()
                 n = _plain_factory(n, types)
@@ -60,6 +70,28 @@ def _neutral_attention(n: Node) -> Node:
     is_causal = bool(args[ntensors + 1])
     kwargs = {"attn_mask": n.kwargs.get("attn_mask"), "scale": n.kwargs.get("scale")}
     return replace(n, op=op, args=tuple(args[:ntensors]) + (dropout_p, is_causal), kwargs=kwargs)
+
+
+def _dense(size, stride) -> bool:
+    """The stride lays the elements out with no gap or overlap: row-major in some order of the dims."""
+    if not (isinstance(size, (list, tuple)) and isinstance(stride, (list, tuple))) or len(size) != len(stride):
+        return False  # a size or stride computed in the graph: not known here
+    step = 1
+    for d, st in sorted(((d, st) for d, st in zip(size, stride) if d != 1), key=lambda p: p[1]):  # size-1 dims: any stride
+        if st != step:
+            return False
+        step *= d
+    return True
+
+
+def _as_strided_reads(graph: Graph) -> set[str]:
+    return {v for u in graph.nodes if u.op.startswith("aten.as_strided") for v in u.uses()}
+
+
+def _unstrided(n: Node, strided: set[str]) -> Node:
+    if n.outputs[0] in strided or not _dense(n.args[1], n.args[2]):
+        return n
+    return replace(n, op="aten.new_empty.default", args=n.args[:2])
 
 
 def _plain_factory(n: Node, types: dict[str, TensorType]) -> Node:
