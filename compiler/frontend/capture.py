@@ -245,11 +245,12 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     to trace once and stamp out (``stamp.py``)."""
     names = [n for n, _ in params] + [n for n, _ in buffers]
     forward_loc = _forward_location(model)
+    reads = ConstantReads.when_asked()  # on only for a second trace: one more Python frame per op
 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
-        with autocast(precision), ConstantReads():
+        with autocast(precision), reads.mode():
             loss = torch.func.functional_call(model, state, tuple(batch_vals))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -272,7 +273,11 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
             except SbpcError:
                 raise
             except Exception as err:
-                raise _capture_error(err, source, failed.op) from err
+                if not reads.retry(err):
+                    raise _capture_error(err, source, failed.op) from err
+                gm = None
+        if gm is None:  # again with the reads answered; afresh, as a stamper keeps what it saw
+            return trace(Stamper(stamper.repeated) if stamper else None)
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:

@@ -9,10 +9,16 @@ flow". This mode, entered inside the traced function (above make_fx's proxy mode
 first: it evaluates the ops that made the tensor, from the graph traced so far, on real tensors,
 and returns the value, which the trace then takes as a constant, as it takes a shape. A read of
 anything an input reaches falls through and is refused as before.
+
+The mode costs one Python frame per traced op, so capture traces without it first and turns it
+on for a second trace only when the first stops at a read (``when_asked``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -23,6 +29,10 @@ _MAX_OPS = 64
 
 
 class ConstantReads(TorchDispatchMode):
+    @staticmethod
+    def when_asked() -> "_Switch":
+        return _Switch()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SCALAR_READS:
@@ -30,6 +40,30 @@ class ConstantReads(TorchDispatchMode):
             if value is not None:
                 return value
         return func(*args, **kwargs)
+
+
+class _Switch:
+    """Off until a trace fails at a read of a value; then on, once."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def mode(self):
+        return ConstantReads() if self.on else contextlib.nullcontext()
+
+    def retry(self, err: BaseException) -> bool:
+        """Whether to trace again with the mode on: ``err`` is a value read, and it was off."""
+        read = any(isinstance(e, DataDependentOutputException) for e in _chain(err))
+        if read and not self.on:
+            self.on = True
+            return True
+        return False
+
+
+def _chain(err: BaseException | None):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def _constant_value(t: torch.Tensor) -> bool | int | float | None:
