@@ -107,6 +107,33 @@ def test_the_verifier_after_a_pass_checks_its_new_nodes_and_the_order_of_all():
         PassManager([Swap()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
 
 
+def test_a_new_node_with_a_kept_nodes_sbp_is_checked_against_its_own_types():
+    """A node remade from a checked one with the same ``sbp`` and ``types`` lists (a new stage)
+    has nothing new to check but its count of nd-SBPs; new types under the same ``sbp`` are
+    checked (a split dim past the new rank), as are more results than nd-SBPs."""
+    from sbpc.compiler.ir.types import TensorType
+    from sbpc.runtime.sbp import Split
+
+    body = OK_BODY.replace("{role=fwd}", "{role=fwd, sbp=[[S(1)]]}", 1)
+
+    def remake(**change):
+        class Remake:
+            name = "remake"
+
+            def apply(self, g, ctx):
+                return replace(g, nodes=[replace(g.nodes[0], **change)] + g.nodes[1:])
+        return Remake()
+
+    verify(graph(body))
+    PassManager([remake(why="restaged")], CompileContext(log=io.StringIO())).run(graph(body))
+    with pytest.raises(PassBug, match=r"pass 'remake' broke the IR: .* splits dim 1 of a rank-1 tensor"):
+        PassManager([remake(types=[TensorType((8,), "f32")])], CompileContext(log=io.StringIO())).run(graph(body))
+    with pytest.raises(PassBug, match=r"pass 'remake' broke the IR: .* has 1 nd-SBPs for 2 results"):
+        PassManager([remake(outputs=["y", "y2"], types=[TensorType((2, 4), "f32")] * 2)],
+                    CompileContext(log=io.StringIO())).run(graph(body))
+    assert graph(body).nodes[0].sbp == [(Split(1),)]
+
+
 def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):
     import sbpc.compiler.pass_manager as pm
 
