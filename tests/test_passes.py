@@ -108,9 +108,9 @@ def test_the_verifier_after_a_pass_checks_its_new_nodes_and_the_order_of_all():
 
 
 def test_a_new_node_with_a_kept_nodes_sbp_is_checked_against_its_own_types():
-    """A node remade from a checked one with the same ``sbp`` and ``types`` lists (a new stage)
-    has nothing new to check but its count of nd-SBPs; new types under the same ``sbp`` are
-    checked (a split dim past the new rank), as are more results than nd-SBPs."""
+    """A node remade from a checked one (``dataclasses.replace``, which keeps its ``sbp`` list)
+    is a new node to the verifier: new types under the same ``sbp`` are checked (a split dim
+    past the new rank), as are more results than nd-SBPs, whatever a faster check skips."""
     from sbpc.compiler.ir.types import TensorType
     from sbpc.runtime.sbp import Split
 

@@ -21,10 +21,9 @@ def verify(graph: Graph, after: str = "", checked: Graph | None = None) -> None:
     """``checked``: a graph verified before on the same mesh (the one before the pass; the
     caller holds it, so its nodes' ids are not reused). Its nodes that ``graph`` still holds
     passed the check of its nd-SBPs' shapes, the dearest of a node alone, and are not checked
-    again: nodes are never changed in place (nor their lists); nor are the shapes of a new node
-    made from a kept one with the same ``sbp`` and ``types``, nor the init region if the pass
-    kept it. What depends on the order and the whole step (SSA, mutations, the signature, the
-    stage placement) is checked in full every time."""
+    again: nodes are never changed in place; nor is its init region if the pass kept it. What
+    depends on the order and the whole step (SSA, mutations, the signature, the stage
+    placement) is checked in full every time."""
     where = f" after pass {after!r}" if after else ""
     foreign = {i.value for i in graph.inputs if i.kind in (InputKind.BATCH, InputKind.BUFFER)}
     mutating = _mutating_ops(graph.nodes)
@@ -40,9 +39,8 @@ def verify(graph: Graph, after: str = "", checked: Graph | None = None) -> None:
             if out.value not in init_defined:
                 raise IRError(f"init output {out.name!r} uses undefined value %{out.value}{where}")
     _verify_signature(graph, where)
-    kept = checked.nodes if checked is not None and checked.mesh == graph.mesh else []
-    _verify_annotations(graph, where, {id(n) for n in kept},
-                        {(id(n.sbp), id(n.types)) for n in kept if n.sbp is not None})
+    seen = {id(n) for n in checked.nodes} if checked is not None and checked.mesh == graph.mesh else set()
+    _verify_annotations(graph, where, seen)
 
 
 def _mutating_ops(nodes: list[Node]) -> set[str]:
@@ -142,12 +140,8 @@ def _verify_signature(graph: Graph, where: str) -> None:
             raise IRError(f"init region does not build {sorted(missing)[:3]}{where}")
 
 
-def _verify_annotations(graph: Graph, where: str, seen: set[int] = frozenset(),
-                        shaped: set[tuple[int, int]] = frozenset()) -> None:
-    """Stage placement all-or-nothing; nd-SBP shapes of the nodes not in ``seen`` (ids). A new
-    node whose ``sbp`` and ``types`` lists are those of a checked node (``shaped``: their ids;
-    ``dataclasses.replace`` of a node for its stage, name or arguments keeps them) only has its
-    count of nd-SBPs checked: entries per nd-SBP and split dims depend on those two lists alone."""
+def _verify_annotations(graph: Graph, where: str, seen: set[int] = frozenset()) -> None:
+    """Stage placement all-or-nothing; nd-SBP shapes of the nodes not in ``seen`` (ids)."""
     # Before stage-partition only hinted forward ops carry a stage; once a backward or
     # optimizer op has one, the partition has run and every op must have one. (One count
     # decides the usual cases, every op placed or none, without a walk of the nodes.)
@@ -160,8 +154,6 @@ def _verify_annotations(graph: Graph, where: str, seen: set[int] = frozenset(),
     for n in [n for n in graph.nodes if n.sbp is not None and id(n) not in seen]:
         if len(n.sbp) != len(n.outputs):
             raise IRError(f"{n.op} has {len(n.sbp)} nd-SBPs for {len(n.outputs)} results{where}", location=_loc(n))
-        if (id(n.sbp), id(n.types)) in shaped:
-            continue
         for nd, t in zip(n.sbp, n.types):
             if len(nd) != naxes:
                 raise IRError(f"{n.op} has an nd-SBP of {len(nd)} entries on a mesh with {naxes} SBP axes{where}",
