@@ -39,6 +39,9 @@ def test_valid_graph_verifies():
     ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
   %l = aten.sum.default(%w) : f32[] {role=fwd}
   output loss %l "loss\"""", r"value %l is defined twice"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
+  %x = aten.sum.default(%w) : f32[] {role=fwd, loc="blk" @ "m.py":9}
+  output loss %l "loss\"""", r"value %x is defined twice.*\(at blk @ m\.py:9\)"),
     ("""  %y = aten.add_.Tensor(%x, %x) : f32[2, 4] {role=fwd, loc="blk" @ "m.py":7}
   %l = aten.sum.default(%y) : f32[] {role=fwd}
   output loss %l "loss\"""", r"aten\.add_\.Tensor mutates a tensor in place.*\(at blk @ m\.py:7\)"),
