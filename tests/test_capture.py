@@ -62,9 +62,10 @@ def test_gpt_roles_locations_and_signature():
 
 
 def test_torch_frames_filter_lists_torchs_files_without_asking_torch(monkeypatch):
-    """The stack-trace filter's list of torch files is torch's own (a torch upgrade that changes
-    it fails here), and a capture with stamped layers (whose custom ops' autograd frames are
-    torch's) never calls torch's function, whose first call imports torch.export's tracer."""
+    """The stack-trace filter's list of torch files is torch's own, and a capture with stamped
+    layers (whose custom ops' autograd frames are torch's) never calls torch's function, whose
+    first call imports torch.export's tracer. (Under another torch release the capture asks
+    torch's, and this fails until the list is checked against that release's.)"""
     from torch.fx.experimental import symbolic_shapes
     from sbpc.compiler.frontend.capture import TorchFramesFilter
 
