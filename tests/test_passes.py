@@ -39,6 +39,9 @@ def test_valid_graph_verifies():
     ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
   %l = aten.sum.default(%w) : f32[] {role=fwd}
   output loss %l "loss\"""", r"value %l is defined twice"),
+    ("""  %l = aten.sum.default(%x) : f32[] {role=fwd}
+  %x = aten.sum.default(%w) : f32[] {role=fwd, loc="blk" @ "m.py":9}
+  output loss %l "loss\"""", r"value %x is defined twice.*\(at blk @ m\.py:9\)"),
     ("""  %y = aten.add_.Tensor(%x, %x) : f32[2, 4] {role=fwd, loc="blk" @ "m.py":7}
   %l = aten.sum.default(%y) : f32[] {role=fwd}
   output loss %l "loss\"""", r"aten\.add_\.Tensor mutates a tensor in place.*\(at blk @ m\.py:7\)"),
@@ -105,6 +108,33 @@ def test_the_verifier_after_a_pass_checks_its_new_nodes_and_the_order_of_all():
         PassManager([BadSbp()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
     with pytest.raises(PassBug, match=r"pass 'swap' broke the IR: aten\.sum\.default uses %y before it is defined"):
         PassManager([Swap()], CompileContext(log=io.StringIO())).run(graph(OK_BODY))
+
+
+def test_a_new_node_with_a_kept_nodes_sbp_is_checked_against_its_own_types():
+    """A node remade from a checked one (``dataclasses.replace``, which keeps its ``sbp`` list)
+    is a new node to the verifier: new types under the same ``sbp`` are checked (a split dim
+    past the new rank), as are more results than nd-SBPs, whatever a faster check skips."""
+    from sbpc.compiler.ir.types import TensorType
+    from sbpc.runtime.sbp import Split
+
+    body = OK_BODY.replace("{role=fwd}", "{role=fwd, sbp=[[S(1)]]}", 1)
+
+    def remake(**change):
+        class Remake:
+            name = "remake"
+
+            def apply(self, g, ctx):
+                return replace(g, nodes=[replace(g.nodes[0], **change)] + g.nodes[1:])
+        return Remake()
+
+    verify(graph(body))
+    PassManager([remake(why="restaged")], CompileContext(log=io.StringIO())).run(graph(body))
+    with pytest.raises(PassBug, match=r"pass 'remake' broke the IR: .* splits dim 1 of a rank-1 tensor"):
+        PassManager([remake(types=[TensorType((8,), "f32")])], CompileContext(log=io.StringIO())).run(graph(body))
+    with pytest.raises(PassBug, match=r"pass 'remake' broke the IR: .* has 1 nd-SBPs for 2 results"):
+        PassManager([remake(outputs=["y", "y2"], types=[TensorType((2, 4), "f32")] * 2)],
+                    CompileContext(log=io.StringIO())).run(graph(body))
+    assert graph(body).nodes[0].sbp == [(Split(1),)]
 
 
 def test_a_pass_that_returns_its_input_is_not_verified_again(monkeypatch):

@@ -10,14 +10,19 @@ chunk in ``Node.stage`` (a hint the stage-partition pass completes).
 from __future__ import annotations
 
 import contextlib
+import glob
+import importlib.util
 import inspect
 import logging
 import operator
+import os
 import re
 from dataclasses import replace
+from unittest import mock
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx.experimental import symbolic_shapes
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
@@ -266,7 +271,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # (fx's recompile, ~1 ms per 30 nodes) would go unread
         with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
-                _use_lazy_graph_module(True):
+                _use_lazy_graph_module(True), TorchFramesFilter().active():
             try:
                 gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
@@ -299,6 +304,40 @@ def _record_stack_traces() -> None:
     tracer = get_proxy_mode().tracer
     tracer.record_stack_traces = True
     tracer._record_forward_stack_traces_only = True  # as make_fx sets it with record_stack_traces
+
+
+class TorchFramesFilter:
+    """``symbolic_shapes.uninteresting_files()``, the torch files whose frames make_fx's
+    stack-trace filter drops, listed without importing them: torch's own first call imports
+    torch.export's tracer (with functorch's AOT autograd) and inductor's sizevars to name their
+    files, ~0.1 s of a capture that uses neither. The same modules' files, found by their import
+    specs, for the torch release whose list this is (tests/test_capture.py checks it against
+    torch's); another release asks torch's own."""
+
+    _TORCH = "2.13.0"
+    _MODULES = ("torch", "torch._compile", "torch._dynamo.eval_frame", "torch._inductor.sizevars",
+                "torch._library.custom_ops", "torch._library.fake_impl", "torch._logging._internal",
+                "torch._logging.structured", "torch._subclasses.fake_tensor", "torch._subclasses.meta_utils",
+                "torch.export._trace", "torch.fx._symbolic_trace", "torch.fx.experimental.recording",
+                "torch.fx.experimental.sym_node", "torch.fx.experimental.symbolic_shapes", "torch.fx.interpreter")
+
+    def __init__(self):
+        self._files: set[str] | None = None
+
+    def files(self) -> set[str]:
+        if self._files is None:
+            import torch._dynamo.guards  # loaded with FakeTensorMode, which imports dynamo's config
+
+            higher_order_ops = os.path.dirname(importlib.util.find_spec("torch._higher_order_ops").origin)
+            self._files = ({importlib.util.find_spec(m).origin for m in self._MODULES}
+                           | set(glob.glob(os.path.join(higher_order_ops, "*.py")))
+                           | torch._dynamo.guards.uninteresting_files() | {"<string>"})
+        return self._files
+
+    def active(self):
+        if torch.__version__.split("+")[0] != self._TORCH:
+            return contextlib.nullcontext()
+        return mock.patch.object(symbolic_shapes, "uninteresting_files", self.files)
 
 
 def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -> CaptureError:

@@ -115,9 +115,9 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
     inputs.append(lr_input())
     nodes.append(Node([step_out], "aten.add.Tensor", (Ref(step_in), 1), {}, [step_type], Role.OPTIMIZER))
     outputs.append(GraphOutput(OutputKind.UPDATE, step_out, str(StateName("step"))))
-    # the template's types for a parameter's type: a 1T model has ~1,500 parameters of a handful
-    # of shapes, and ~30,000 update ops
-    retyped: dict[tuple[TensorType, TensorType], TensorType] = {}
+    # the template's nodes retyped for a parameter's type, once per type: a 1T model has ~1,500
+    # parameters of a handful of types, and ~30,000 update ops
+    stencils: dict[TensorType, list[tuple]] = {}
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
         tpl = _template(cfg, ttype.dtype)
         loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
@@ -128,17 +128,25 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
                          [value, grad, *(s for s, _ in states), step_out, LR_VALUE]))
         prefix = f"opt{i}_"
         rename = lambda v: given[v] if v in given else prefix + v  # the template's own values get the prefix
-        for n in tpl.nodes:
-            types = []
-            for t in n.types:
-                if (t, ttype) not in retyped:
-                    retyped[(t, ttype)] = _retype(t, ttype)
-                types.append(retyped[(t, ttype)])
-            nodes.append(Node([prefix + o for o in n.outputs], n.op, map_refs(n.args, rename),
-                              map_refs(n.kwargs, rename), types, Role.OPTIMIZER, loc=loc))
+        if ttype not in stencils:
+            stencils[ttype] = _stencil(tpl, ttype)
+        for outs, op, args, kwargs, types, flat in stencils[ttype]:
+            args = tuple([Ref(rename(a.name)) if type(a) is Ref else a for a in args]) if flat \
+                else map_refs(args, rename)
+            nodes.append(Node([prefix + o for o in outs], op, args, map_refs(kwargs, rename), list(types),
+                              Role.OPTIMIZER, loc=loc))
         results = [rename(tpl.names[o]) for o in tpl.outputs]
         outputs.append(GraphOutput(OutputKind.UPDATE, results[0], fqn))
         outputs.extend(GraphOutput(OutputKind.UPDATE, r, sname) for r, (_, sname) in zip(results[1:], states))
+
+
+def _stencil(tpl, ttype: TensorType) -> list[tuple]:
+    """Per template node: its outputs, op, arguments, keyword arguments, types for a parameter
+    of ``ttype``, and whether its arguments are a flat tuple (of values and scalars), which a
+    parameter's copy renames without ``map_refs``' walk."""
+    flat = lambda args: type(args) is tuple and not any(isinstance(a, (list, tuple, dict)) for a in args)
+    return [(n.outputs, n.op, n.args, n.kwargs, [_retype(t, ttype) for t in n.types], flat(n.args))
+            for n in tpl.nodes]
 
 
 def lr_input() -> GraphInput:

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.aten import is_random
-from sbpc.compiler.ir.types import Graph, Node, rename_uses
+from sbpc.compiler.ir.types import Graph, Node, Ref, rename_uses
 
 
 @dataclass
@@ -43,10 +43,15 @@ class CommonSubexpressionElimination:
 def _key(n: Node):
     if is_random(n.op):
         return None
-    return (n.op, _freeze(n.args), _freeze(sorted(n.kwargs.items())))
+    return (n.op, _freeze(n.args), _freeze(sorted(n.kwargs.items())) if n.kwargs else _NO_KWARGS)
+
+
+_NO_KWARGS = ("list",)  # _freeze(sorted({}.items())), the key of most nodes' kwargs
 
 
 def _freeze(a):
+    if type(a) is Ref:  # most arguments: what the last line makes of them, without its two checks
+        return ("Ref", a)
     if isinstance(a, (list, tuple)):
         return tuple(("list", *(_freeze(x) for x in a)))
     if isinstance(a, float):
