@@ -102,7 +102,7 @@ def host_transfers(plan: Plan) -> frozenset[str]:
     optimizer makes on the host and a later stage's optimizer reads there (a bias correction
     from the shared step counter; fp16's skip verdict). gloo sends CPU tensors as they are;
     NCCL reads and writes device memory only, so the runner moves such a value to the device
-    to send it and back to the host where it is received (``PipelineRunner._send``/``_receive``)."""
+    to send it and back to the host where it is received (``PipelineRunner._fire``)."""
     host = {s.value for s in [*plan.params, *plan.buffers, *plan.states] if s.memory == MemoryKind.HOST}
     host |= {o for prog in plan.stages for ins in prog.instructions if ins.memory == MemoryKind.HOST for o in ins.outs}
     return frozenset(ins.outs[0] for prog in plan.stages for ins in prog.instructions
