@@ -234,6 +234,7 @@ class GlooCommunicator(Communicator):
                 if self.rank in group:
                     self._groups[group], self._axis[group] = pg, axis
         self._native_reduce_scatter = True
+        self._world_pg = None
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -360,9 +361,13 @@ class GlooCommunicator(Communicator):
 
     def send(self, t, peer, tag=0, what="send"):
         src = t.detach().contiguous()
-        work = []
-        self._run(what, (self.rank, peer), lambda pg: work.append(dist.isend(src, dst=peer, tag=tag)), world=True)
-        return _Pending(self, work[0], what, (self.rank, peer), src)
+        # the world group's own send (what dist.isend calls after its argument checks): a
+        # pipeline sends and posts receives several times per task
+        try:
+            work = self._world().send([src], peer, tag)
+        except Exception as err:
+            raise self._failure(what, (self.rank, peer), err) from err
+        return _Pending(self, work, what, (self.rank, peer), src)
 
     def recv(self, shape, dtype, peer, tag=0, what="recv"):
         out = torch.empty(shape, dtype=dtype)
@@ -371,9 +376,17 @@ class GlooCommunicator(Communicator):
 
     def post_recv(self, shape, dtype, peer, tag=0, what="recv"):
         out = torch.empty(shape, dtype=dtype)
-        works = []
-        self._run(what, (peer, self.rank), lambda pg: works.append(dist.irecv(out, src=peer, tag=tag)), world=True)
-        return _Async(self, works[0], what, (peer, self.rank), lambda: out, world=True)
+        try:
+            work = self._world().recv([out], peer, tag)
+        except Exception as err:
+            raise self._failure(what, (peer, self.rank), err) from err
+        return _Async(self, work, what, (peer, self.rank), lambda: out)
+
+    def _world(self):
+        """The default process group (in it, a rank's index is its global rank)."""
+        if self._world_pg is None:
+            self._world_pg = dist.group.WORLD
+        return self._world_pg
 
     def gather_objects(self, obj, dst=0):
         out = [None] * self.world_size if self.rank == dst else None
@@ -393,12 +406,14 @@ class GlooCommunicator(Communicator):
 class _Async(Work):
     """A collective issued with ``async_op=True``; ``wait`` turns a failure into a named error."""
 
-    def __init__(self, comm: GlooCommunicator, work, kind: str, group: tuple[int, ...], finish: Callable[[], torch.Tensor],
-                 world: bool = False):
-        self.comm, self.work, self.kind, self.group, self.finish, self.world = comm, work, kind, group, finish, world
+    def __init__(self, comm: GlooCommunicator, work, kind: str, group: tuple[int, ...], finish: Callable[[], torch.Tensor]):
+        self.comm, self.work, self.kind, self.group, self.finish = comm, work, kind, group, finish
 
     def wait(self) -> torch.Tensor:
-        self.comm._run(self.kind, self.group, lambda pg: self.work.wait(), world=self.world)
+        try:
+            self.work.wait()
+        except Exception as err:
+            raise self.comm._failure(self.kind, self.group, err) from err
         return self.finish()
 
 
@@ -409,4 +424,7 @@ class _Pending:
         self.comm, self.work, self.what, self.group, self.keep = comm, work, what, group, keep
 
     def wait(self) -> None:
-        self.comm._run(self.what, self.group, lambda pg: self.work.wait(), world=True)
+        try:
+            self.work.wait()
+        except Exception as err:
+            raise self.comm._failure(self.what, self.group, err) from err

@@ -18,11 +18,12 @@ from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.kinds import MemoryKind
+from sbpc.runtime.pipeline_firing import Out, Post, Recv, TaskRun
 from sbpc.runtime.pipeline_tasks import TRANSFER, Body, Item, Task, TaskGraph, fmt, replay
 from sbpc.runtime.plan import DTYPES, GRAD_NORM, Instruction, Plan, RefArg
 from sbpc.runtime.runner import LocalBatch, Runner, StepResult
 from sbpc.runtime.sbp import parse_sbp
-from sbpc.runtime.sharding import take_chunk, unpad
+from sbpc.runtime.sharding import owned, take_chunk, unpad
 
 
 def instruction_uses(ins: Instruction) -> list[str]:
@@ -101,7 +102,7 @@ def host_transfers(plan: Plan) -> frozenset[str]:
     optimizer makes on the host and a later stage's optimizer reads there (a bias correction
     from the shared step counter; fp16's skip verdict). gloo sends CPU tensors as they are;
     NCCL reads and writes device memory only, so the runner moves such a value to the device
-    to send it and back to the host where it is received (``PipelineRunner._send``/``_receive``)."""
+    to send it and back to the host where it is received (``PipelineRunner._fire``)."""
     host = {s.value for s in [*plan.params, *plan.buffers, *plan.states] if s.memory == MemoryKind.HOST}
     host |= {o for prog in plan.stages for ins in prog.instructions if ins.memory == MemoryKind.HOST for o in ins.outs}
     return frozenset(ins.outs[0] for prog in plan.stages for ins in prog.instructions
@@ -135,6 +136,7 @@ class PipelineRunner(Runner):
         self.steps = 0
         self._last_of_mb = self._last_tasks()
         self._stage_cache: dict[str, int] = {}
+        self.runs = [self._task_run(t) for t in self.order]
 
     # ----- one step
     def step(self, batch: tuple[torch.Tensor, ...] | LocalBatch, *, rng_seed: int | None = None,
@@ -145,22 +147,22 @@ class PipelineRunner(Runner):
         for group, specs in ((self.params, self.plan.params), (self.buffers, self.plan.buffers),
                              (self.states, self.plan.states)):
             step_env.update({s.value: group[s.name] for s in specs if s.name in group})
-        envs = [self._microbatch(batch, j) for j in range(self.m)]
+        envs = self._microbatches(batch)
         acc: dict[str, torch.Tensor] = {}
         owned: set[str] = set()  # accumulators this step allocated, which it adds into in place
         local: dict[tuple[str, int | None], torch.Tensor] = {}
         sends = []
         posted: dict[tuple[str, int | None], object] = {}
         self.backend.microbatches = self.m
-        if self.order:
-            self._post(self.order[0], posted)
-        for k, task in enumerate(self.order):
+        runs = self.runs
+        if runs:
+            self._post(runs[0], posted)
+        for k, run in enumerate(runs):
             start = time.time()
-            nxt = self.order[k + 1] if k + 1 < len(self.order) else None
-            sends += self._fire(task, nxt, envs, step_env, acc, owned, local, posted)
-            if task.mb is not None and self._last_of_mb.get(task.mb) == task:
-                envs[task.mb] = {}  # the micro-batch's regst is free
-            self.timeline.record(lambda task=task: fmt(task), start, self.steps, self.backend)
+            sends += self._fire(run, runs[k + 1] if k + 1 < len(runs) else None, envs, step_env, acc, owned, local, posted)
+            if run.frees_mb:
+                envs[run.mb] = {}  # the micro-batch's regst is free
+            self.timeline.record(run.label, start, self.steps, self.backend)
         for s in sends:
             s.wait()
         self.steps += 1
@@ -168,27 +170,68 @@ class PipelineRunner(Runner):
             step_env = {**envs[0], **step_env}
         return self._finish(step_env, keep_grads)
 
-    def _fire(self, task: Task, nxt: Task | None, envs, step_env, acc, owned, local, posted) -> list:
+    def _fire(self, run: TaskRun, nxt: TaskRun | None, envs, step_env, acc, owned, local, posted) -> list:
         """Run one task: receive, post the receives of the next task ``nxt``, run its program,
         accumulate, send. A method so that its inputs and results (locals here) die when it
         returns: only the environments, the accumulators, the posted receives and the pending
         sends hold tensors between tasks."""
-        env = envs[task.mb] if task.mb is not None else step_env
-        body = self.graph.bodies[task.key]
-        self._receive(task, body, env, local, posted)
+        env = envs[run.mb] if run.mb is not None else step_env
+        for r in run.recvs:
+            if r.here:
+                env[r.out] = local.pop(r.key)
+                continue
+            value = posted.pop(r.key).wait()
+            if r.host and value.device.type != "cpu":  # came over NCCL
+                value = self.backend.to_host(value)
+            env[r.out] = value
         if nxt is not None:  # the next task's receives fly while this one computes
             self._post(nxt, posted)
-        for it in body.reads:
-            env[it.outs[0]] = acc[it.uses[0]]
-        self.backend.microbatch = task.mb or 0
-        values = [env[v] if v in env else step_env[v] if v in step_env else envs[0][v] for v in body.inputs]
-        values += [env[it.outs[0]] for it in body.recvs + body.reads]
-        outs = self.programs[task.key].run(values)
-        env.update(zip(body.outputs, outs))
-        for v, t in zip(body.outputs, outs):
-            if v in self.graph.accumulated:
-                _accumulate(acc, owned, v, t, v in self.graph.owned)
-        return self._send(task, env, local)
+        for out, use in run.reads:
+            env[out] = acc[use]
+        self.backend.microbatch = run.mb or 0
+        values = [env[v] if v in env else step_env[v] if v in step_env else envs[0][v] for v in run.inputs]
+        values += [env[v] for v in run.local_inputs]
+        outs = run.program.run(values)
+        env.update(zip(run.outputs, outs))
+        for i, v, fresh in run.accumulate:
+            _accumulate(acc, owned, v, outs[i], fresh)
+        pending = []
+        for s in run.sends:
+            value = env[s.value]
+            if s.here:
+                local[s.key] = value
+                continue
+            if value.device != self.backend.device:  # a host value (host_transfers) on a GPU rank: NCCL sends device memory
+                value = self.backend.to_device(value)
+            pending.append(self.backend.communicator.send(value, s.peer, s.tag, what=s.what))
+        return pending
+
+    def _post(self, run: TaskRun, posted) -> None:
+        """Post the receives of a task from other stages (gloo ``irecv``), so that a value
+        arriving while the task before it computes is taken without waiting."""
+        post_recv = self.backend.communicator.post_recv
+        for p in run.posts:
+            posted[p.key] = post_recv(p.shape, p.dtype, p.peer, p.tag, what=p.what)
+
+    def _task_run(self, task: Task) -> TaskRun:
+        """What firing ``task`` does, but the tensors (``pipeline_firing``)."""
+        body, label, mb = self.graph.bodies[task.key], fmt(task), task.mb
+        posts, recvs = [], []
+        for it in body.recvs:
+            out, here = it.outs[0], it.src % self.p == self.stage
+            recvs.append(Recv((out, mb), out, here, out in self._host_transfers))
+            if not here:
+                vt = self.types[out]
+                posts.append(Post((out, mb), _local_shape(vt, self), getattr(torch, DTYPES[vt.dtype]), self._peer(it.src),
+                                  self._tag(out, mb), f"recv of %{out} for {label} on stage {self.stage}"))
+        sends = tuple(Out(s.value, (s.out, mb), s.dst_chunk % self.p == self.stage, self._peer(s.dst_chunk),
+                          self._tag(s.out, mb), f"send of %{s.value} from {label} on stage {self.stage}")
+                      for s in self.graph.sends.get(task.key, []))
+        accumulate = tuple((i, v, v in self.graph.owned) for i, v in enumerate(body.outputs) if v in self.graph.accumulated)
+        return TaskRun(label, mb, self.programs[task.key], tuple(posts), tuple(recvs),
+                       tuple((it.outs[0], it.uses[0]) for it in body.reads), tuple(body.inputs),
+                       tuple(it.outs[0] for it in body.recvs + body.reads), tuple(body.outputs), accumulate, sends,
+                       mb is not None and self._last_of_mb.get(mb) == task)
 
     def batch_part(self, t: torch.Tensor, i: int) -> torch.Tensor:
         """This rank's part of logical batch input ``i``: its shard of each micro-batch, joined in
@@ -199,57 +242,23 @@ class PipelineRunner(Runner):
         split = parse_sbp(spec.microbatch)
         return torch.cat([self._shard(take_chunk(t, split, j, self.m), spec) for j in range(self.m)], dim=split.dim)
 
-    def _microbatch(self, batch, j: int) -> dict[str, torch.Tensor]:
-        """Micro-batch ``j`` of this rank's part of each batch input this stage reads."""
+    def _microbatches(self, batch) -> list[dict[str, torch.Tensor]]:
+        """Per micro-batch, its part of this rank's part of each batch input this stage reads
+        (the rank's part cut once; each micro-batch's piece in a storage of its own, so that
+        freeing one micro-batch's values frees its piece)."""
         local = isinstance(batch, LocalBatch)
-        env = {}
+        envs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.m)]
         for i, (b, spec) in enumerate(zip(batch.tensors if local else batch, self.plan.batch)):
             if spec.value not in self._batch_here:
                 continue
-            part = b if local else self.batch_part(b, i)
-            if spec.microbatch is not None and self.m > 1:
-                part = take_chunk(part, parse_sbp(spec.microbatch), j, self.m)
-            env[spec.value] = part.to(self.backend.device)
-        return env
+            part = (b if local else self.batch_part(b, i)).to(self.backend.device)
+            split = parse_sbp(spec.microbatch) if spec.microbatch is not None and self.m > 1 else None
+            for j, env in enumerate(envs):
+                env[spec.value] = part if split is None else owned(take_chunk(part, split, j, self.m))
+        return envs
 
     def _peer(self, chunk: int) -> int:
         return self.topology.rank_of({**self.topology.coords, "pp": chunk % self.p})
-
-    def _post(self, task: Task, posted) -> None:
-        """Post the receives of ``task`` from other stages (gloo ``irecv``), so that a value
-        arriving while the task before it computes is taken without waiting."""
-        for it in self.graph.bodies[task.key].recvs:
-            if it.src % self.p == self.stage:
-                continue
-            vt = self.types[it.outs[0]]
-            posted[(it.outs[0], task.mb)] = self.backend.communicator.post_recv(
-                _local_shape(vt, self), getattr(torch, DTYPES[vt.dtype]), self._peer(it.src), self._tag(it.outs[0], task.mb),
-                what=f"recv of %{it.outs[0]} for {fmt(task)} on stage {self.stage}")
-
-    def _receive(self, task: Task, body: Body, env, local, posted) -> None:
-        for it in body.recvs:
-            key = (it.outs[0], task.mb)
-            if it.src % self.p == self.stage:
-                env[it.outs[0]] = local.pop(key)
-                continue
-            value = posted.pop(key).wait()
-            if it.outs[0] in self._host_transfers and value.device.type != "cpu":  # came over NCCL
-                value = self.backend.to_host(value)
-            env[it.outs[0]] = value
-
-    def _send(self, task: Task, env, local) -> list:
-        pending = []
-        for s in self.graph.sends.get(task.key, []):
-            if s.dst_chunk % self.p == self.stage:
-                local[(s.out, task.mb)] = env[s.value]
-                continue
-            value = env[s.value]
-            if value.device != self.backend.device:  # a host value (host_transfers) on a GPU rank: NCCL sends device memory
-                value = self.backend.to_device(value)
-            pending.append(self.backend.communicator.send(
-                value, self._peer(s.dst_chunk), self._tag(s.out, task.mb),
-                what=f"send of %{s.value} from {fmt(task)} on stage {self.stage}"))
-        return pending
 
     def _tag(self, out: str, mb: int | None) -> int:
         return self._tags[out] * (self.m + 1) + (0 if mb is None else mb + 1)
