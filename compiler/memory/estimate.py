@@ -239,18 +239,23 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], 
         body = mine[task.key]
         mb = task.mb
         here = env[mb] if mb is not None else step_env
-        step_once = step_env | accs  # as they stand before this task (a snapshot: both grow below)
+        # step_env and accs as they stand before this task, not copied per task (~10k keys at
+        # 1T): step_env grows in the task only where mb is None, when every key is once a step;
+        # accs grows by fresh_accs
+        fresh_accs: set[tuple] = set()
 
         def key(v: str) -> tuple:  # the storage key of v in this firing: once a step, or its micro-batch's
             once = (store.root[v], None)
-            return once if once in persistent_keys or once in step_once else (once[0], mb)
+            if once in persistent_keys or once in step_env or (once in accs and once not in fresh_accs):
+                return once
+            return (once[0], mb)
 
         kept.join(here, {key(it.outs[0]) for it in body.recvs})
         # the runner posts the next task's receives from other stages before this one runs
         # (gloo irecv into a buffer of its own): they are live during it
         nxt = order[k + 1] if k + 1 < len(order) else None
         ahead = {(store.root[it.outs[0]], nxt.mb) for it in mine[nxt.key].recvs if it.src % pp != stage} if nxt else set()
-        flying = {x for x in pending | ahead if x not in persistent_keys and x not in kept.count}
+        flying = {x for xs in (pending, ahead) for x in xs if x not in persistent_keys and x not in kept.count}
         if task.key not in profiles:
             visible = {r for r, j in persistent_keys | kept.count.keys() | flying if j is None or j == mb or mb is None}
             kernels = [(it.index, nodes[it.index]) for it in body.kernels]
@@ -279,7 +284,9 @@ def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], 
             peak.offer(base + prof.end + max(adds), _add(between, prof.end_terms, {Term.GRADS: max(adds)}), fmt(task),
                        in_flight)
         kept.join(here, {key(o) for o in body.outputs if o not in firsts})
-        kept.join(accs, {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of})
+        acc_keys = {(store.root[acc_of[o]], None) for o in body.outputs if o in acc_of}
+        fresh_accs.update(acc_keys - accs)
+        kept.join(accs, acc_keys)
         pending |= {key(x.value) for x in tg.sends.get(task.key, []) if x.dst_chunk % pp != stage}
         if mb is not None and last_of_mb.get(mb) == task:
             kept.leave(env[mb])

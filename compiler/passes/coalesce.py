@@ -29,7 +29,6 @@ from sbpc.runtime.sbp import Broadcast
 # what may share a bucket, and in which phases
 _FUSED = {Collective.ALL_REDUCE: (Role.BACKWARD, Role.OPTIMIZER), Collective.REDUCE_SCATTER: (Role.BACKWARD, Role.OPTIMIZER),
           Collective.ALL_GATHER: (Role.OPTIMIZER,)}
-_FUSED_OPS = frozenset(k.op for k in _FUSED)  # by op name: hashing an enum runs python code, per node per bucket
 
 
 @dataclass
@@ -64,14 +63,10 @@ class Coalesce:
                 readers.setdefault(u, []).append(k)
         buckets = [[nodes[i].outputs[0] for i in b] for idxs in groups.values()
                    for b in self._buckets(nodes, reads, readers, idxs) if len(b) > 1]
-        at = _positions(nodes, 0, len(nodes))
+        program = _Program(nodes, readers)
         for bucket in buckets:
-            members = sorted(at[o] for o in bucket)
-            fused = _fuse_bucket(nodes, members)
-            if fused is not nodes:
-                _moved(at, fused, members, bucket)
-                nodes = fused
-        return replace(graph, nodes=nodes)
+            program.fuse(bucket)
+        return replace(graph, nodes=program.nodes())
 
     def _buckets(self, nodes: list[Node], reads: list[frozenset[str]], readers: dict[str, list[int]],
                  idxs: list[int]) -> list[list[int]]:
@@ -106,47 +101,62 @@ class Coalesce:
         return buckets
 
 
-def _positions(nodes: list[Node], start: int, stop: int) -> dict[str, int]:
-    """The index of each result of a fusable collective among ``nodes[start:stop]``."""
-    return {o: i for i in range(start, stop) if nodes[i].op in _FUSED_OPS for o in nodes[i].outputs}
+class _Program:
+    """The nodes as bucket after bucket is fused into them, not rebuilt nor rescanned per bucket
+    (a scan of the nodes between a bucket's members, and a new list, per bucket: ~1 s for the
+    129 buckets of a 1T plan). Each node has a rank that orders the program: a fused call takes
+    its last member's, and what moves after it ranks between it and the node that followed it
+    (tuples: ``(r,) < (r, 1) < (r, 2) < (r + 1,)``). What depends on a bucket is followed from
+    its values to their readers. ``readers``: each value's readers, by index into ``nodes``."""
 
+    def __init__(self, nodes: list[Node], readers: dict[str, list[int]]):
+        self.live = {id(n): n for n in nodes}
+        self.rank: dict[int, tuple[int, ...]] = {id(n): (i,) for i, n in enumerate(nodes)}
+        self.producer = {o: n for n in nodes for o in n.outputs}
+        self.readers = {v: [nodes[k] for k in ks] for v, ks in readers.items()}
 
-def _moved(at: dict[str, int], nodes: list[Node], members: list[int], bucket: list[str]) -> None:
-    """``at`` updated after the bucket ``bucket`` (its members at ``members``) was fused into
-    ``nodes``: its results are the bucket's call's now; the window from its first to its last
-    member was reordered and lost all members but one, so what was after it moved up by that
-    many, and what was before it stays. (Found anew, ``at`` was a scan of the whole program per
-    bucket: 256 buckets of a 1T plan took 1.9 s.)"""
-    first, last, gone = members[0], members[-1], len(members) - 1
-    for o in bucket:
-        del at[o]
-    for o, i in at.items():
-        if i > last:
-            at[o] = i - gone
-    at.update(_positions(nodes, first, last - gone + 1))
+    def fuse(self, bucket: list[str]) -> None:
+        """``bucket``'s members fused at its last one; what in between depends on an earlier
+        member moves after it. Left unchanged when one member depends on another (they cannot
+        share a call)."""
+        rank = self.rank
+        members = sorted((self.producer[o] for o in bucket), key=lambda n: rank[id(n)])
+        first, last = rank[id(members[0])], rank[id(members[-1])]
+        member_ids = {id(n) for n in members}
+        heap: list[tuple[tuple[int, ...], int, Node]] = []
+        seen: set[int] = set()
 
+        def reach(values) -> None:  # their readers after the first member, up to the last
+            for v in values:
+                for r in self.readers.get(v, ()):
+                    k = rank[id(r)]
+                    if first < k <= last and id(r) not in seen:
+                        seen.add(id(r))
+                        heapq.heappush(heap, (k, id(r), r))
 
-def _fuse_bucket(nodes: list[Node], bucket: list[int]) -> list[Node]:
-    """Nodes with ``bucket`` fused at its last member; dependants in between moved after it.
-    Left unchanged when one member depends on another (they cannot share a call)."""
-    first, last = bucket[0], bucket[-1]
-    members = set(bucket)
-    tainted = {o for i in bucket[:-1] for o in nodes[i].outputs}
-    moved = []
-    for i in range(first + 1, last):
-        if i in members:
-            if not tainted.isdisjoint(nodes[i].uses()):
-                return nodes
-            continue
-        if not tainted.isdisjoint(nodes[i].uses()):
-            moved.append(i)
-            tainted.update(nodes[i].outputs)
-    if not tainted.isdisjoint(nodes[last].uses()):
-        return nodes
-    fused = _fuse([nodes[i] for i in bucket])
-    skip = members | set(moved)
-    middle = [n for i, n in enumerate(nodes[first:last], start=first) if i not in skip]
-    return nodes[:first] + middle + [fused] + [nodes[i] for i in moved] + nodes[last + 1:]
+        for n in members[:-1]:
+            reach(n.outputs)
+        moved: list[Node] = []
+        while heap:  # in program order
+            _, i, n = heapq.heappop(heap)
+            if i in member_ids:
+                return
+            moved.append(n)
+            reach(n.outputs)
+        fused = _fuse(members)
+        for n in members:
+            for u in n.uses():
+                self.readers[u] = [fused if id(r) in member_ids else r for r in self.readers[u]]
+            for o in n.outputs:
+                self.producer[o] = fused
+            del self.live[id(n)], rank[id(n)]
+        self.live[id(fused)] = fused
+        rank[id(fused)] = last
+        for j, n in enumerate(moved, start=1):
+            rank[id(n)] = last + (j,)
+
+    def nodes(self) -> list[Node]:
+        return sorted(self.live.values(), key=lambda n: self.rank[id(n)])
 
 
 def _fuse(ns: list[Node]) -> Node:
