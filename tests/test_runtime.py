@@ -208,3 +208,28 @@ def test_save_plan_signs_the_plan_as_a_whole_dump_would(tmp_path):
     signed = plan.model_copy(update={"digest": plan.content_digest()})
     assert path.read_text() == signed.model_dump_json()
     assert load_plan(str(path)) == signed
+
+
+@pytest.mark.parametrize("column", [5, -6])
+def test_a_picked_column_out_of_range_fails_as_indexing_does(column):
+    """``x[arange(B), j]`` runs as a gather (tests/models/row_pick.py); a ``j`` outside the row
+    is refused, as eager indexing refuses it, and not wrapped round to another column."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.compiler.passes import default_pipeline
+    from sbpc.compiler.passes.decompose import Decompose
+
+    # the rewrite runs on one device too, so that one process can run the plan
+    passes = [Decompose(always=True) if p.name == "decompose" else p for p in default_pipeline()]
+    plan = compile_model(load_model(str(ROOT / "tests/models/row_pick.py"), {}), parse_mesh("1"), batch_size=4,
+                         optimizer=OptimizerConfig(), passes=passes).plan
+    assert any(ins.op == "aten.gather.default" for ins in plan.stages[0].instructions)
+    runner = Runner(plan, make_backend("cpu"), seed=0)
+    ids, lengths, y = BatchSource(plan, 0)(0)
+    runner.step((ids, lengths, y))  # in range, -1 included (the model file's batch has it)
+    y = y.clone()
+    y[1] = column  # the head has 5 classes
+    with pytest.raises(RuntimeFailure, match=r"aten\.gather\.default .*index"):
+        runner.step((ids, lengths, y))

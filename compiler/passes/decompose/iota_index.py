@@ -89,7 +89,7 @@ def row_gather(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] 
     """``self[arange(B), j]`` (a value per row: CLIP's pooled token, a label's log-probability)
     as ``gather`` along dim 1, and its backward ``index_put`` (``[arange(B), j] += v``) as
     ``scatter_add``: each row reads (writes) its own row, which a batch split keeps local. As an
-    index the rows would need the whole tensor. Negative ``j`` wraps as indexing does."""
+    index the rows would need the whole tensor. Negative ``j`` counts from the end as indexing does."""
     put = n.op == "aten.index_put.default"
     self, indices = n.args[0], n.args[1]
     if not isinstance(self, Ref) or not isinstance(indices, (list, tuple)) or len(indices) != 2 \
@@ -107,10 +107,14 @@ def row_gather(n: Node, fresh, producers: dict[str, Node], types) -> list[Node] 
         q *= s
     like = lambda o, op, args, t: make(n, [o], op, args, [t])  # one result each
     out = n.outputs[0]
-    names = {k: fresh(f"{out}_{k}") for k in ("cols", "wrap", "rows", "each", "vals", "flat")}
+    names = {k: fresh(f"{out}_{k}") for k in ("cols", "neg", "up", "wrap", "rows", "each", "vals", "flat")}
     it = lambda s: TensorType(tuple(s), "i64")
+    # a negative column counts from the end, as indexing does; one out of range stays out of range,
+    # so gather refuses it as indexing would (a remainder would quietly pick another column)
     nodes = [like(names["cols"], "aten.expand.default", [col, list(wide)], it(wide)),
-             like(names["wrap"], "aten.remainder.Scalar", [Ref(names["cols"]), shape[1]], it(wide)),
+             like(names["neg"], "aten.lt.Scalar", [Ref(names["cols"]), 0], TensorType(tuple(wide), "bool")),
+             like(names["up"], "aten.add.Scalar", [Ref(names["cols"]), shape[1]], it(wide)),
+             like(names["wrap"], "aten.where.self", [Ref(names["neg"]), Ref(names["up"]), Ref(names["cols"])], it(wide)),
              like(names["rows"], "aten.reshape.default", [Ref(names["wrap"]), [b, q] + [1] * len(rest)], it([b, q] + [1] * len(rest))),
              like(names["each"], "aten.expand.default", [Ref(names["rows"]), [b, q] + rest], it([b, q] + rest))]
     dt = n.types[0].dtype
