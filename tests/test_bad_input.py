@@ -105,6 +105,11 @@ CASES = [
     Case("batch-microbatches-dp", [*MLP, "--mesh", "2x1x2", "--microbatches", "4", "--batch-size", "4"],
          "batch.0 has shape [4, 32]: its batch dim does not divide over mb=4 x dp=2; "
          "hint: use a --batch-size that is a multiple of 8"),
+    # a batch that divides over neither axis alone is judged on the whole mesh too (the one-axis
+    # solves would name mb=4 and a multiple of 4, which 4 is and still fails)
+    Case("batch-microbatches-dp-neither", [*MLP, "--mesh", "2x1x2", "--microbatches", "4", "--batch-size", "6"],
+         "batch.0 has shape [6, 32]: its batch dim does not divide over mb=4 x dp=2; "
+         "hint: use a --batch-size that is a multiple of 8"),
     # --- model files ------------------------------------------------------------------------
     Case("model-missing", ["compile", "nope/missing.py"], "model file 'nope/missing.py' does not exist"),
     Case("model-syntax-error", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],

@@ -110,14 +110,19 @@ class Solver:
             return tuple(nd), f"hint {hint.spec()} at {where}"
         split = [a for a in (MICROBATCH, "dp") if a in axes and sizes[axes.index(a)] > 1]
         if i.kind == InputKind.BATCH and split:
-            k = 1
             for a in split:
                 nd[axes.index(a)] = Split(0)
-                k *= sizes[axes.index(a)]
-            if not i.type.shape or i.type.shape[0] % k:
-                over = " x ".join(f"{a}={sizes[axes.index(a)]}" for a in split)
+            # judged on the whole mesh: a one-axis solve (sbp_propagate) sees the other axes as one
+            # device, and the batch must divide over all of them at once
+            mesh = st.graph.mesh
+            whole = [a for a in (MICROBATCH, "dp") if mesh.size(a) > 1]
+            rows = 1
+            for a in whole:
+                rows *= mesh.size(a)
+            if not i.type.shape or i.type.shape[0] % rows:
+                over = " x ".join(f"{a}={mesh.size(a)}" for a in whole)
                 raise CompileError(f"{i.name} has shape {list(i.type.shape)}: its batch dim does not divide over {over}",
-                                   hint=f"use a --batch-size that is a multiple of {k}")
+                                   hint=f"use a --batch-size that is a multiple of {rows}")
             names = {"dp": "dp (data parallel)", MICROBATCH: "mb (micro-batches)"}
             return tuple(nd), "batch input: S(0) on " + " and ".join(names[a] for a in split)
         what = "parameter without a hint" if i.kind == InputKind.PARAM else i.kind.value
