@@ -100,6 +100,32 @@ def _lr_list(text: str) -> tuple[float, ...]:
     return lrs
 
 
+def _steps(text: str) -> int:
+    """``--steps``: a count of steps >= 1 (0 or fewer would check the init alone and say PASS)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step count >= 1 (e.g. 3, the default)")
+    return n
+
+
+def _positive(what: str, zero: bool):
+    """A finite float > 0 (>= 0 where ``zero``): ``--tolerance``, ``--timeout``."""
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = math.nan
+        if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return x
+    return parse
+
+
 def cmd_check(args) -> int:
     from sbpc.compiler.tools.check import check_on_ranks, run_check
     from sbpc.runtime.backend import make_backend
@@ -283,15 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(fn=cmd_launch)
     k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
     add_model_arguments(k)
-    k.add_argument("--steps", type=int, default=3)
+    k.add_argument("--steps", type=_steps, default=3)
     k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--tolerance", type=float, default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
+    k.add_argument("--tolerance", type=_positive("a deviation >= 0 (e.g. 1e-5, the default)", zero=True), default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
     k.add_argument("--free-running", action="store_true",
                    help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")
     k.add_argument("--lr-schedule", metavar="LR,LR,...", type=_lr_list,
                    help="the learning rate of each step, the last repeating (default: --lr every step); the plan "
                         "takes it as its step input, torch.optim as param_groups' lr")
-    k.add_argument("--timeout", type=float, default=300, help="seconds any rank may wait on another (default 300)")
+    k.add_argument("--timeout", type=_positive("a number of seconds > 0 (e.g. 300, the default)", zero=False), default=300, help="seconds any rank may wait on another (default 300)")
     k.add_argument("--backend", default="cpu", help="run the plan and eager PyTorch on cpu (default) or cuda "
                                                     "(one GPU per rank; eager on the first)")
     k.add_argument("--ranks", choices=["processes", "threads"], default="processes",

@@ -41,6 +41,13 @@ CASES = [
     Case("interleaved-microbatches-not-multiple", [*MLP, "--mesh", "1x1x2", "--schedule", "interleaved",
                                                    "--microbatches", "3"],
          "micro-batches in groups of pp: 3 is not a multiple of 2"),
+    # a check of no step would say PASS having compared the init alone
+    Case("check-steps-zero", ["check", "examples/mlp.py", "--steps", "0"], "argument --steps: '0' is not a step count >= 1"),
+    Case("check-steps-negative", ["check", "examples/mlp.py", "--steps", "-1"], "'-1' is not a step count >= 1"),
+    Case("check-tolerance-negative", ["check", "examples/mlp.py", "--tolerance", "-1"],
+         "argument --tolerance: '-1' is not a deviation >= 0"),
+    Case("check-timeout-zero", ["check", "examples/mlp.py", "--timeout", "0"],
+         "argument --timeout: '0' is not a number of seconds > 0"),
     Case("set-without-equals", [*MLP, "--set", "layers"], "bad --set 'layers'"),
     Case("set-without-key", [*MLP, "--set", "=4"], "bad --set '=4'"),
     Case("set-bad-key", [*MLP, "--set", "9x=1"], "bad --set '9x=1'"),
