@@ -74,6 +74,7 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
     source = load_model(args.model, parse_sets(args.sets))
     if args.clip_grad is not None and not args.clip_grad > 0:
         raise UsageError(f"--clip-grad {args.clip_grad} must be a norm > 0", hint="e.g. --clip-grad 1.0, Megatron's default")
+    check_optimizer_flags(args)
     optimizer = OptimizerConfig(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum,
                                 clip_grad=args.clip_grad)
     ctx = CompileContext(print_after=set(args.print_after), print_after_all=bool(args.print_after_all),
@@ -92,6 +93,21 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
     if getattr(args, "time_passes", False):
         print(pass_time_table(result.timings, ctx.pass_seconds), file=sys.stderr)
     return result, source, optimizer
+
+
+def check_optimizer_flags(args: argparse.Namespace) -> None:
+    """The hyperparameters torch.optim would refuse (its ValueError would surface as an internal
+    error after the compile), and --momentum given to AdamW, which has none and would drop it."""
+    import math
+
+    for flag, value, hint in (("--lr", args.lr, "e.g. --lr 1e-3 (the default)"),
+                              ("--weight-decay", args.weight_decay, "e.g. --weight-decay 0.01 (the default), or 0"),
+                              ("--momentum", args.momentum, "e.g. --momentum 0.9, or 0 (the default)")):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} {value} must be a finite number >= 0", hint=hint)
+    if args.momentum and args.optimizer != "sgd":
+        raise UsageError(f"--momentum {args.momentum} is SGD's; --optimizer {args.optimizer} has no momentum",
+                         hint="add --optimizer sgd, or drop --momentum (AdamW keeps its own first moment, beta1 0.9)")
 
 
 def _cluster_cost(args: argparse.Namespace, mesh):
