@@ -38,6 +38,11 @@ CASES = [
     Case("microbatches-zero", [*MLP, "--microbatches", "0"], "--microbatches 0 must be at least 1"),
     Case("virtual-stages-without-interleaved", [*MLP, "--mesh", "1x1x2", "--virtual-stages", "2"],
          "--virtual-stages 2 needs --schedule interleaved"),
+    # chunks on no pipeline compiled into a plan with stages that no runner takes (exit 2 from the
+    # runner, naming its own classes)
+    Case("interleaved-without-pp", ["check", "examples/mlp.py", "--mesh", "2x1", "--schedule", "interleaved",
+                                    "--ranks", "threads"],
+         ("--schedule interleaved (2 virtual stages) needs a pipeline, but mesh 2x1 has pp=1", "add a pp axis")),
     Case("interleaved-microbatches-not-multiple", [*MLP, "--mesh", "1x1x2", "--schedule", "interleaved",
                                                    "--microbatches", "3"],
          "micro-batches in groups of pp: 3 is not a multiple of 2"),

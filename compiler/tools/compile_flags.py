@@ -164,6 +164,9 @@ def pipeline_options(args, mesh, config):
     if virtual > 1 and schedule != ScheduleName.INTERLEAVED:
         raise UsageError(f"--virtual-stages {virtual} needs --schedule interleaved",
                          hint="virtual stages are chunks of the interleaved 1F1B schedule")
+    if virtual > 1 and pp == 1:  # chunks of no pipeline: the plan would have stages and no schedule to run them
+        raise UsageError(f"--schedule interleaved ({virtual} virtual stages) needs a pipeline, but mesh {args.mesh} "
+                         "has pp=1", hint="add a pp axis (e.g. --mesh 1x1x2), or drop --schedule interleaved")
     if schedule == ScheduleName.INTERLEAVED and m % pp:
         raise UsageError(f"the interleaved schedule needs micro-batches in groups of pp: {m} is not a multiple of {pp}",
                          hint=f"use --microbatches {pp * max(1, m // pp)}")
