@@ -124,6 +124,18 @@ def test_fp16_overflow_skips_the_step_counts_it_and_halves_the_scale():
         in report.table()
 
 
+def test_free_running_eager_steps_through_its_own_grad_scaler():
+    """--free-running under fp16: the free eager trajectory steps and updates its own GradScaler
+    (it unscaled in backward; a bare optimizer step left GradScaler unscaled-but-not-updated and
+    the next step's unscale_ raised). On one device it skips the overflowing step as the plan does
+    and ends on the plan's parameters bit for bit."""
+    plan = _plan(OVERFLOW, "1", "fp16")
+    report = run_check(plan, load_model(OVERFLOW), Runner(plan, make_backend("cpu"), seed=0), OptimizerConfig(),
+                       steps=3, seed=0, tolerance=TOL, free_running=True)
+    assert report.passed and report.skipped_steps == 1, report.table()
+    assert report.free.losses_eager == report.free.losses_plan and report.free.params.value == 0, report.table()
+
+
 def test_sbpc_run_reports_the_skipped_steps(tmp_path):
     out = tmp_path / "plan.json"
     r = sbpc("compile", OVERFLOW, "--precision", "fp16", "-o", str(out))

@@ -453,7 +453,7 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             report.free.losses_eager.append(float(free.forward_backward(batch, step_seed(seed, step))))
             free.set_lr(plan.optimizer.lr if lr is None else lr)
             free.clip()
-            free.opt.step()
+            free.opt.step() if free.scaler is None else free.scaler.own_step(free.opt)
     if free is not None:
         for name, p in params.items():
             report.free.params.update(name, deviation(p, free.named[name], max(amax(free.named[name]), 1e-12)))

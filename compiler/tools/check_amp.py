@@ -37,6 +37,12 @@ class LossScaler:
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(opt)
 
+    def own_step(self, opt: torch.optim.Optimizer) -> None:
+        """GradScaler's step and update on eager's own gradients (``backward`` unscaled them): the
+        free-running trajectory (`--free-running`), whose scale follows its own overflows."""
+        self.scaler.step(opt)
+        self.scaler.update()
+
     def step(self, opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
              grads: dict[str, torch.Tensor], clip=None) -> tuple[bool, dict[str, torch.Tensor]]:
         """GradScaler.step and update on the plan's (unscaled) gradients: whether it skipped, and
