@@ -111,6 +111,18 @@ def _steps(text: str) -> int:
     return n
 
 
+def _seed(text: str) -> int:
+    """``--seed``: in [0, 2**32), where every seed derived from it (``step_seed``: about 2e6 times
+    it) stays a 64-bit torch seed; a larger one overflowed in torch.manual_seed (exit 3)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed in [0, 2**32) (e.g. 0, the default)")
+    return n
+
+
 def _positive(what: str, zero: bool):
     """A finite float > 0 (>= 0 where ``zero``): ``--tolerance``, ``--timeout``."""
     import math
@@ -310,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
     add_model_arguments(k)
     k.add_argument("--steps", type=_steps, default=3)
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=_seed, default=0)
     k.add_argument("--tolerance", type=_positive("a deviation >= 0 (e.g. 1e-5, the default)", zero=True), default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
     k.add_argument("--free-running", action="store_true",
                    help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")

@@ -49,6 +49,8 @@ CASES = [
     # a check of no step would say PASS having compared the init alone
     Case("check-steps-zero", ["check", "examples/mlp.py", "--steps", "0"], "argument --steps: '0' is not a step count >= 1"),
     Case("check-steps-negative", ["check", "examples/mlp.py", "--steps", "-1"], "'-1' is not a step count >= 1"),
+    Case("check-seed-too-large", ["check", "examples/mlp.py", "--seed", "99999999999999999999"],
+         "argument --seed: '99999999999999999999' is not a seed in [0, 2**32)"),
     Case("check-tolerance-negative", ["check", "examples/mlp.py", "--tolerance", "-1"],
          "argument --tolerance: '-1' is not a deviation >= 0"),
     Case("check-timeout-zero", ["check", "examples/mlp.py", "--timeout", "0"],
