@@ -10,7 +10,7 @@ import sys
 
 from sbpc.errors import UsageError, guarded_main
 from sbpc.runtime.cli import (ArgumentParser, add_run_arguments, add_train_arguments, check_training_flags, leave,
-                              run_command, schedule_of)
+                              run_command, schedule_of, seed_arg)
 from sbpc.runtime.corpus import DEFAULT_MAX_BYTES
 from sbpc.runtime.kinds import Precision
 from sbpc.compiler.tools.compile_flags import add_model_arguments, compile_from_args, memory_options_of
@@ -108,18 +108,6 @@ def _steps(text: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step count >= 1 (e.g. 3, the default)")
-    return n
-
-
-def _seed(text: str) -> int:
-    """``--seed``: in [0, 2**32), where every seed derived from it (``step_seed``: about 2e6 times
-    it) stays a 64-bit torch seed; a larger one overflowed in torch.manual_seed (exit 3)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n < 2**32:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a seed in [0, 2**32) (e.g. 0, the default)")
     return n
 
 
@@ -322,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check", help="verify each step of the plan against eager PyTorch from the same state")
     add_model_arguments(k)
     k.add_argument("--steps", type=_steps, default=3)
-    k.add_argument("--seed", type=_seed, default=0)
+    k.add_argument("--seed", type=seed_arg, default=0)
     k.add_argument("--tolerance", type=_positive("a deviation >= 0 (e.g. 1e-5, the default)", zero=True), default=1e-5, help="max deviation allowed (default 1e-5; docs/check.md)")
     k.add_argument("--free-running", action="store_true",
                    help="also run eager on its own trajectory and print both loss curves (a report, not the verdict)")

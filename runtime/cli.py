@@ -17,6 +17,19 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def seed_arg(text: str) -> int:
+    """``--seed``: an integer of magnitude below 2**32, where every seed derived from it
+    (``step_seed``: about 2e6 times it) stays a 64-bit torch seed; a larger one overflowed in
+    torch.manual_seed (an internal error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 2**32
+    if not -(2**32) < n < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer seed between -2**32 and 2**32 (e.g. 0, the default)")
+    return n
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON written by `sbpc compile`")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the plan's compiled one)")
@@ -26,7 +39,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of a training run, shared by `sbpc run` and `sbpc train` (docs/training.md)."""
     p.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weight init, the data order and the synthetic batches")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the weight init, the data order and the synthetic batches")
     p.add_argument("--backend", default="cpu", help="cpu (torch CPU + gloo, the default) or cuda (torch CUDA + NCCL "
                                                     "through CuPy, one process per GPU; pip install -e '.[cuda]')")
     p.add_argument("--ranks", choices=["processes", "threads"], default="processes",
