@@ -176,9 +176,10 @@ def test_complex_rotary_embeddings_parity(mesh):
     _check("tests/models/complex_rotary.py", "--mesh", mesh)
 
 
-@pytest.mark.parametrize("mesh", ["2x1", "1x1x2"])
+@pytest.mark.parametrize("mesh", ["2x1", "2x2"])
 def test_as_strided_over_a_transposed_view_parity(mesh):
     """Longformer's overlapping chunks read a transposed view through its storage's strides;
     capture restrides them onto a contiguous copy, so a gathered or sharded input (contiguous)
-    reads the same elements (before, 2x1 computed other windows: a deviation of 1.3)."""
+    reads the same elements (before, 2x1 computed other windows: a deviation of 1.3). A pipeline
+    refuses it, naming the op: ``as_strided`` has no SBP rule, so it needs the whole batch."""
     _check("tests/models/strided_chunks.py", "--mesh", mesh)
