@@ -158,3 +158,28 @@ def test_scan_written_into_slices_pipeline_parity(mesh):
     """out[:, t] = state in a loop: autograd's backward makes each gradient buffer with
     new_empty_strided, which normalize makes a plain factory that splits with the micro-batches."""
     _check("tests/models/scan_writes.py", "--mesh", mesh)
+
+
+@pytest.mark.parametrize("mesh", ["1x1x2", "2x2x2"])
+def test_loss_offset_by_a_constant_and_bce_with_logits_pipeline_parity(mesh):
+    """``offset + cross_entropy + bce_with_logits``: the constant makes the loss whole on the
+    micro-batch axis, a once-a-step value; the backward's seed ``ones_like(loss)`` reads only its
+    shape and becomes a constant (else the runtime looked for a loss no micro-batch made), and
+    BCE-with-logits splits with the micro-batches by its own rule (else the pipeline refused it)."""
+    _check("tests/models/loss_plus_const.py", "--mesh", mesh)
+
+
+@pytest.mark.parametrize("mesh", ["2x2x2", "1x4"])
+def test_complex_rotary_embeddings_parity(mesh):
+    """Meta's Llama rotary embeddings (view_as_complex, polar, view_as_real, _conj) split with
+    the batch and the heads (without rules they ran replicated and a pipeline refused them)."""
+    _check("tests/models/complex_rotary.py", "--mesh", mesh)
+
+
+@pytest.mark.parametrize("mesh", ["2x1", "2x2"])
+def test_as_strided_over_a_transposed_view_parity(mesh):
+    """Longformer's overlapping chunks read a transposed view through its storage's strides;
+    capture restrides them onto a contiguous copy, so a gathered or sharded input (contiguous)
+    reads the same elements (before, 2x1 computed other windows: a deviation of 1.3). A pipeline
+    refuses it, naming the op: ``as_strided`` has no SBP rule, so it needs the whole batch."""
+    _check("tests/models/strided_chunks.py", "--mesh", mesh)

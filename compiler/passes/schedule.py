@@ -30,7 +30,7 @@ import networkx as nx
 from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
-from sbpc.compiler.ir.types import FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses, users
+from sbpc.compiler.ir.types import DType, FreshNames, Graph, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses, users
 from sbpc.compiler.sbp.boxing_plan import SEQUENTIAL_STEPS
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.mesh import MICROBATCH
@@ -42,6 +42,8 @@ from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
 from sbpc.runtime.sbp import Broadcast, Split, local_shape
 
 _SEQUENTIAL_OK = {k.op for k in SEQUENTIAL_STEPS}  # what may run over micro-batches
+# the *_like factories of a backward seed, by the value they fill in (full_like: its argument)
+_SEED_FILL = {"aten.ones_like.default": 1.0, "aten.zeros_like.default": 0.0, "aten.full_like.default": None}
 _ORDER = {Role.PRE: 0, Role.FORWARD: 1, Role.BACKWARD: 2, Role.OPTIMIZER: 3}
 
 
@@ -139,13 +141,31 @@ class _Cutter:
         return self.mb is not None and nd is not None and not isinstance(nd[self.mb], Broadcast)
 
     def run(self) -> Graph:
-        nodes = self._phases(list(self.g.nodes))
+        nodes = self._phases(self._seeds_without_loss(list(self.g.nodes)))
         if self.mb is not None:  # one micro-batch: the update reads its values as they are
             nodes = self._step_values_for_optimizer(nodes)
         nodes, outputs = self._accumulate_outputs(nodes)
         nodes = self._transfers(nodes)
         nodes, outputs = self._replica_updates(nodes, outputs)
         return replace(self.g, nodes=nodes, outputs=outputs)
+
+    def _seeds_without_loss(self, nodes: list[Node]) -> list[Node]:
+        """The backward's seed ``ones_like(loss)`` reads only the loss's (0-d) shape, but as an
+        operand it ties every micro-batch's backward to the loss. A loss that is whole on the
+        micro-batch axis (``loss + 1.0``, ``0 + loss``: after the sum over micro-batches) is a
+        once-a-step value, so that seed would pull the backward into the once-a-step phase, or
+        the whole forward into the ``pre`` phase. There the seed becomes a constant; a seed of
+        a per-micro-batch loss keeps its operand (plans unchanged)."""
+        out = []
+        for n in nodes:
+            src = n.args[0] if n.op in _SEED_FILL and n.args else None
+            if isinstance(src, Ref) and n.types[0].shape == () and src.name in self.producer \
+                    and self.mb is not None and not self.per_mb(src.name):
+                fill = n.args[1] if n.op == "aten.full_like.default" else _SEED_FILL[n.op]
+                n = replace(n, op="sbpc.constant", args=([fill], []), kwargs={"dtype": DType(n.types[0].dtype)},
+                            sbp_in=[])
+            out.append(n)
+        return out
 
     # ----- phases
     def _phases(self, nodes: list[Node]) -> list[Node]:

@@ -176,6 +176,17 @@ def reduce(c, self, dim, keepdim, kind):
     return lp, []
 
 
+@family("complex_view")
+def complex_view(c, self):
+    """``view_as_complex`` ([..., 2] real -> [...] complex) and ``view_as_real`` (back): the
+    leading dims map one to one; the (real, imaginary) pair never splits."""
+    rank_in, rank_out = len(c.shape(c.tensor(self))), len(c.out_shape(0))
+    lets = letters(min(rank_in, rank_out))
+    pair = [*lets, None]
+    ins, out = (pair, lets) if rank_in > rank_out else (lets, pair)
+    return Loops(ins={c.tensor(self): ins}, outs=[out]), []
+
+
 @family("transpose")
 def transpose(c, self, dim0, dim1):
     rank = len(c.shape(c.tensor(self)))

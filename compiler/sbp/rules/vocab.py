@@ -115,3 +115,24 @@ def mse_loss_backward(c, grad_output, self, target, reduction):
     from sbpc.compiler.sbp.rules.families import elementwise
 
     return elementwise(c, grad_output, self, target)
+
+
+def _bce_loc(lc, self, target, weight, pos_weight, reduction):
+    _mse_loc(lc, self, target, reduction)
+
+
+@family("bce_logits", _bce_loc)
+def bce_logits(c, self, target, weight, pos_weight, reduction):
+    """``binary_cross_entropy_with_logits``: elementwise in self and target, the weights
+    broadcast against them; a sum or mean reduction sums every split letter (mean: a 1/k
+    scale on each rank, as for ``mse_loss``). Its backward is traced as pointwise ops."""
+    from sbpc.compiler.sbp.rules.families import _aligned
+
+    shape = c.shape(c.tensor(self))
+    lets = letters(len(shape))
+    red = c.value(reduction)
+    lp = Loops(outs=[lets if red == 0 else []])
+    _aligned(c, [self, target, weight, pos_weight], len(shape), lets, lp, shape)
+    if red:
+        lp.reduce = {x: "sum" for x in lets}
+    return lp, []
