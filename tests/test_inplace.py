@@ -11,7 +11,7 @@ from sbpc.compiler.frontend.model_loader import load_model
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.aten import is_mutating
 from sbpc.compiler.ir.mesh import parse_mesh
-from sbpc.compiler.ir.types import InputKind
+from sbpc.compiler.ir.types import InputKind, Role
 from sbpc.compiler.memory.estimate import estimate_memory
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
@@ -179,3 +179,19 @@ def test_backward_accumulations_are_in_place_and_bitwise_the_functional_plan():
     assert losses == losses_f
     for a, b in [*zip(grads, grads_f), (params, params_f)]:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pipelined_backward_accumulations_are_in_place_within_their_task():
+    """In a pipelined plan too, each residual's two contributions are summed in place into one
+    made by the same task (one micro-batch's firing); the bitwise parity of these plans with
+    the functional ones is test_pipelined_in_place_update_is_bitwise_the_functional_plan."""
+    for mesh, schedule, v in [("1x1x2", ScheduleName.ONE_F_ONE_B, 1), ("2x1x2", ScheduleName.INTERLEAVED, 2)]:
+        lean, functional = _pipelined(mesh, schedule, v), _pipelined(mesh, schedule, v, None)
+        graph = lean.graph
+        made = _tasks_of(graph)
+        sums = [(n, key) for n, key in zip(graph.nodes, node_tasks(graph))
+                if n.role == Role.BACKWARD and n.op.startswith("aten.add")]
+        assert len(sums) == 2 * TINY["layers"] and all(n.op == "aten.add_.Tensor" for n, _ in sums), mesh
+        assert all(made[n.args[0].name] == key for n, key in sums), mesh
+        assert not [i for p in functional.plan.stages for i in p.instructions
+                    if i.role == "bwd" and i.op == "aten.add_.Tensor"]

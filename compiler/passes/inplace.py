@@ -13,9 +13,14 @@ those same single-tensor kernels, so the plan's numbers do not change in a bit. 
 foreach kernels are fused multi-tensor kernels; a CUDA backend re-checks them.)
 
 The backward's gradient accumulations (``add`` of two contributions to one gradient, a
-residual's two paths) of a one-program plan are overwritten the same way, as autograd's input
-buffer sums in place: into the first operand, or the second with the two swapped where only
-that one dies there (``a + b == b + a`` bit for bit).
+residual's two paths) are overwritten the same way, as autograd's input buffer sums in place:
+into the first operand, or the second with the two swapped where only that one dies there
+(``a + b == b + a`` bit for bit). In a pipelined plan the overwritten storage must also be made
+in the accumulation's own task (every value sharing it): then it is that firing's, one
+micro-batch's, and every other reader runs in that task or in a task that reads from it, i.e.
+later in the same micro-batch (and at a later last firing: the position rule below sees it);
+a parameter, a once-a-step value or one received from another task is never overwritten, since
+another micro-batch's firing reads it again.
 
 When an op may overwrite its first input ``x``:
 - it is an optimizer op with an in-place variant, or such an accumulation (no ``alpha``), of
@@ -202,9 +207,10 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             s = store.find(x)
             return (types[x] == n.types[0] and x in store.owned and members[s].isdisjoint(shared)
                     and not reads[s].sent and reads[s].last.get(st) == at
-                    and sum(store.find(u) == s for u in n.uses()) == 1)
+                    and sum(store.find(u) == s for u in n.uses()) == 1
+                    and (n.role != Role.BACKWARD or all(where.names.get(v) == where.task[idx] for v in members[s])))
 
-        if not _may_overwrite(n, graph) or len(n.outputs) != 1 or not n.args or not isinstance(n.args[0], Ref):
+        if not _may_overwrite(n) or len(n.outputs) != 1 or not n.args or not isinstance(n.args[0], Ref):
             nodes.append(n)
             continue
         if n.role == Role.BACKWARD and not free(n.args[0].name) and free(n.args[1].name):
@@ -222,12 +228,11 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
     return nodes
 
 
-def _may_overwrite(n: Node, graph: Graph) -> bool:
+def _may_overwrite(n: Node) -> bool:
     """Optimizer ops, and the backward's gradient accumulations (``add`` of two contributions to
-    one gradient, which autograd's input buffer sums in place) of a one-program plan."""
+    one gradient, which autograd's input buffer sums in place)."""
     return n.role == Role.OPTIMIZER or (n.role == Role.BACKWARD and n.op == ACCUMULATE and not n.kwargs
-                                        and len(n.args) == 2 and all(isinstance(a, Ref) for a in n.args)
-                                        and graph.schedule is None)
+                                        and len(n.args) == 2 and all(isinstance(a, Ref) for a in n.args))
 
 
 @lru_cache(maxsize=None)
