@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -88,8 +89,6 @@ def cmd_inspect(args) -> int:
 
 def _lr_list(text: str) -> tuple[float, ...]:
     """``--lr-schedule 1e-3,5e-4``: finite learning rates >= 0 (argparse turns the error into exit 2)."""
-    import math
-
     try:
         lrs = tuple(float(x) for x in text.split(","))
     except ValueError:
@@ -113,8 +112,6 @@ def _steps(text: str) -> int:
 
 def _positive(what: str, zero: bool):
     """A finite float > 0 (>= 0 where ``zero``): ``--tolerance``, ``--timeout``."""
-    import math
-
     def parse(text: str) -> float:
         try:
             x = float(text)

@@ -3,6 +3,7 @@ resolution into one compile: flags win over the config's tables, which win over 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from sbpc.errors import UsageError
@@ -98,8 +99,6 @@ def compile_from_args(args: argparse.Namespace, enforce_budget: bool = True):
 def check_optimizer_flags(args: argparse.Namespace) -> None:
     """The hyperparameters torch.optim would refuse (its ValueError would surface as an internal
     error after the compile), and --momentum given to AdamW, which has none and would drop it."""
-    import math
-
     for flag, value, hint in (("--lr", args.lr, "e.g. --lr 1e-3 (the default)"),
                               ("--weight-decay", args.weight_decay, "e.g. --weight-decay 0.01 (the default), or 0"),
                               ("--momentum", args.momentum, "e.g. --momentum 0.9, or 0 (the default)")):
