@@ -169,6 +169,26 @@ def test_loss_offset_by_a_constant_and_bce_with_logits_pipeline_parity(mesh):
     _check("tests/models/loss_plus_const.py", "--mesh", mesh)
 
 
+@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
+def test_losses_without_a_batch_split_before_parity(mesh):
+    """Smooth L1, Huber, soft margin, binary cross-entropy, multi-class and multi-label margin
+    and log-sigmoid split with the batch and the micro-batches by the ``pointwise_loss`` and
+    ``row_loss`` rules (without them a pipeline refused the model and dp gathered the batch)."""
+    _check("tests/models/many_losses.py", "--mesh", mesh)
+
+
+def test_losses_split_with_the_batch_on_dp_without_a_gather():
+    """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
+    batch before their rules), the backward all-reduces the gradients and nothing else."""
+    source = load_model("tests/models/many_losses.py", {})
+    plan = compile_model(source, parse_mesh("2x1"), batch_size=8, optimizer=OptimizerConfig()).plan
+    moved = [c for c in collectives(plan) if c.moves_data]
+    assert not [c for c in moved if c.role == "fwd"], moved
+    assert {c.kind for c in moved} == {"all_reduce"}, moved
+    params = sum(1 for _ in source.build().parameters())
+    assert len([c for c in moved if c.nbytes > 4]) == params, moved  # one per gradient, then the loss
+
+
 @pytest.mark.parametrize("mesh", ["2x2x2", "1x4"])
 def test_complex_rotary_embeddings_parity(mesh):
     """Meta's Llama rotary embeddings (view_as_complex, polar, view_as_real, _conj) split with

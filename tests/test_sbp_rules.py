@@ -223,6 +223,18 @@ def _traced() -> list[Instance]:
                   (lambda a, d=d: F.pad(a, (1, 2) * d, mode="reflect"), x(*size)),
                   (lambda a, d=d: F.pad(a, (1, 2) * d, mode="replicate"), x(*size))]
     cases.append((lambda a: F.interpolate(a, scale_factor=2, mode="bilinear"), x(4, 6, 4, 4)))
+    # the losses of the pointwise_loss and row_loss families, each reduction
+    target, weight, probs = torch.randn(4, 6, generator=g), torch.rand(6, generator=g) + 0.5, torch.rand(4, 6, generator=g)
+    labels = torch.randint(0, 6, (4,), generator=g)
+    multilabel = torch.tensor([[3, 0, -1, 1, 2, 5], [1, -1, 0, 0, 0, 0], [5, 4, 3, 2, 1, 0], [-1, 0, 0, 0, 0, 0]])
+    for r in ("mean", "sum", "none"):
+        cases += [(lambda a, r=r: F.smooth_l1_loss(a, target, reduction=r, beta=0.5), x(4, 6)),
+                  (lambda a, r=r: F.huber_loss(a, target, reduction=r, delta=0.5), x(4, 6)),
+                  (lambda a, r=r: F.soft_margin_loss(a, target.sign(), reduction=r), x(4, 6)),
+                  (lambda a, r=r: F.binary_cross_entropy(a.sigmoid(), probs, weight=weight, reduction=r), x(4, 6)),
+                  (lambda a, r=r: F.multi_margin_loss(a, labels, p=2, margin=0.5, weight=weight, reduction=r), x(4, 6)),
+                  (lambda a, r=r: F.multilabel_margin_loss(a, multilabel, reduction=r), x(4, 6))]
+    cases.append((F.logsigmoid, x(4, 6)))
     return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]
 
 

@@ -393,13 +393,15 @@ def _forward_location(model: torch.nn.Module) -> str | None:
 def _without_onednn():
     """oneDNN off while tracing: an LSTM then traces as its cell's ATen ops (as a GRU always
     does), which every backend runs and SBP can split, not as the CPU-only fused
-    ``mkldnn_rnn_layer`` (eager's kernel: the two agree to float rounding)."""
-    was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    ``mkldnn_rnn_layer`` (eager's kernel: the two agree to float rounding). The switch behind
+    ``torch.backends.mkldnn.enabled``, which refuses to be set once torch's test utilities froze
+    the flags; its ``flags()`` context would also reset the other oneDNN flags, with a warning."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = was
+        torch._C._set_mkldnn_enabled(was)
 
 
 @contextlib.contextmanager

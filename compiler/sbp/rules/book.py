@@ -282,12 +282,11 @@ class RuleBook:
         new.args, new.kwargs = tuple(args), kwargs
         if lc.scale == 1.0:
             return [new]
-        if len(node.outputs) != 1:
-            raise CompileError(f"cannot scale the outputs of {node.op}: it has {len(node.outputs)}")
+        # the scale is the first output's (a loss); the others (multilabel margin's is_target) are kept
         out = node.outputs[0]
-        new.outputs = [f"{out}__unscaled"]
+        new.outputs = [f"{out}__unscaled", *node.outputs[1:]]
         scale = replace(node, outputs=[out], op="aten.mul.Tensor", args=(Ref(new.outputs[0]), lc.scale), kwargs={},
-                        types=list(node.types), sbp=list(out_nd))
+                        types=[node.types[0]], sbp=[out_nd[0]])
         if hasattr(scale, "sbp_in"):
             scale.sbp_in = [out_nd[0]]
         return [new, scale]

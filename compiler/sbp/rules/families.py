@@ -73,7 +73,7 @@ class LocCtx:
         self.op: str | None = None  # a rank-aware kernel (or another op) replacing the op
         self.args: tuple | None = None  # the replacing op's own positional arguments
         self.masked_axes: list[str] = []
-        self.scale = 1.0  # the output is multiplied by this afterwards
+        self.scale = 1.0  # the (first) output is multiplied by this afterwards
 
     def value(self, a) -> Any:
         from sbpc.compiler.sbp.rules.dsl import LITERALS

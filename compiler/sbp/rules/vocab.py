@@ -7,7 +7,7 @@ global denominator (mean: a 1/k scale, or no split at all).
 """
 from __future__ import annotations
 
-from sbpc.compiler.sbp.rules.families import family
+from sbpc.compiler.sbp.rules.families import _aligned, elementwise, family
 from sbpc.compiler.sbp.rules.loops import B, Cand, Loops, letters
 from sbpc.runtime.sbp import Partial, Split
 
@@ -88,51 +88,72 @@ def nll_loss_backward(c, grad_output, self, target):
     return lp, [Cand({x: Split(cd)}, [Split(cd)], "class split: masked scatter")]
 
 
-def _mse_loc(lc, self, target, reduction):
-    if lc.value(reduction) == 1:  # mean: each rank divided by its own numel
+def _mean_scale(lc, reduction, self, *_):
+    """Reduction mean: each rank divides by its own element (or row) count, 1/k of the whole,
+    so the result is scaled by 1/k for every axis that splits ``self``."""
+    if lc.value(reduction) == 1:
         for i, k in enumerate(lc.sizes):
             if isinstance(lc.nd(self)[i], Split):
                 lc.scale /= k
 
 
-def _mse_bwd_loc(lc, grad_output, self, target, reduction):
-    _mse_loc(lc, self, target, reduction)
+def _mean_scale_backward(lc, reduction, grad_output, self, *_):
+    _mean_scale(lc, reduction, self)
 
 
-@family("mse_loss", _mse_loc)
-def mse_loss(c, self, target, reduction):
-    rank = len(c.shape(c.tensor(self)))
-    lets = letters(rank)
+@family("pointwise_loss", _mean_scale)
+def pointwise_loss(c, reduction, self, *rest):
+    """A loss elementwise in ``self`` and the tensors after it (target, weights, broadcast
+    against ``self``): mse, smooth L1, Huber, soft margin, binary cross-entropy (with logits).
+    Any split; a sum or mean reduction sums every split letter into ``P`` (mean: 1/k)."""
+    shape = c.shape(c.tensor(self))
+    lets = letters(len(shape))
     red = c.value(reduction)
-    lp = Loops(ins={c.tensor(self): lets, c.tensor(target): lets}, outs=[lets if red == 0 else []])
+    lp = Loops(outs=[lets if red == 0 else []])
+    _aligned(c, [self, *rest], len(shape), lets, lp, shape)
     if red:
         lp.reduce = {x: "sum" for x in lets}
     return lp, []
 
 
-@family("mse_loss_backward", _mse_bwd_loc)
-def mse_loss_backward(c, grad_output, self, target, reduction):
-    from sbpc.compiler.sbp.rules.families import elementwise
-
-    return elementwise(c, grad_output, self, target)
-
-
-def _bce_loc(lc, self, target, weight, pos_weight, reduction):
-    _mse_loc(lc, self, target, reduction)
+@family("pointwise_loss_backward", _mean_scale_backward)
+def pointwise_loss_backward(c, reduction, grad_output, self, *rest):
+    """The gradient of a ``pointwise_loss``: elementwise in every tensor (mean: 1/k)."""
+    return elementwise(c, grad_output, self, *rest)
 
 
-@family("bce_logits", _bce_loc)
-def bce_logits(c, self, target, weight, pos_weight, reduction):
-    """``binary_cross_entropy_with_logits``: elementwise in self and target, the weights
-    broadcast against them; a sum or mean reduction sums every split letter (mean: a 1/k
-    scale on each rank, as for ``mse_loss``). Its backward is traced as pointwise ops."""
-    from sbpc.compiler.sbp.rules.families import _aligned
+def _row_dims(c, a, lets: list[str]) -> list:
+    """The letters of a row loss's tensor: a per-class ``weight`` never splits; a target or
+    mask of ``self``'s rank has its rows and classes, a class per row (or a 0-d per-row
+    gradient) the rows alone."""
+    rank = len(c.shape(c.tensor(a)))
+    if a.value == "weight":
+        return [None] * rank
+    return lets[:rank]
 
-    shape = c.shape(c.tensor(self))
-    lets = letters(len(shape))
+
+@family("row_loss", _mean_scale)
+def row_loss(c, reduction, self, *rest):
+    """A loss over each row's classes (multi-class and multi-label margin losses; ``self`` is
+    ``[N, C]`` or ``[C]``): the rows split, the classes never; a sum or mean reduction over the
+    rows gives ``P`` (mean: 1/k). Extra outputs (multilabel's ``is_target``) are ``self``-shaped."""
+    lets = ["n", "c"][2 - len(c.shape(c.tensor(self))):]
     red = c.value(reduction)
-    lp = Loops(outs=[lets if red == 0 else []])
-    _aligned(c, [self, target, weight, pos_weight], len(shape), lets, lp, shape)
+    lp = Loops(outs=[lets[:-1] if red == 0 else [], *(lets for _ in c.node.types[1:])], fixed={"c"})
+    for a in (self, *rest):
+        if c.tensor(a):
+            lp.ins[c.tensor(a)] = _row_dims(c, a, lets)
     if red:
-        lp.reduce = {x: "sum" for x in lets}
+        lp.reduce = {x: "sum" for x in lets[:-1]}
+    return lp, []
+
+
+@family("row_loss_backward", _mean_scale_backward)
+def row_loss_backward(c, reduction, grad_output, self, *rest):
+    """The gradient of a ``row_loss``: rows split with ``self`` (mean: 1/k), classes never."""
+    lets = ["n", "c"][2 - len(c.shape(c.tensor(self))):]
+    lp = Loops(outs=[lets], fixed={"c"})
+    for a in (grad_output, self, *rest):
+        if c.tensor(a):
+            lp.ins[c.tensor(a)] = _row_dims(c, a, lets)
     return lp, []
