@@ -177,6 +177,13 @@ def test_losses_without_a_batch_split_before_parity(mesh):
     _check("tests/models/many_losses.py", "--mesh", mesh)
 
 
+@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
+def test_vision_ops_without_a_batch_split_before_parity(mesh):
+    """PReLU, unfold/fold, affine_grid + grid_sample and cdist split with the batch and the
+    micro-batches by their rules (without them a pipeline refused the model)."""
+    _check("tests/models/vision_ops.py", "--mesh", mesh)
+
+
 def test_losses_split_with_the_batch_on_dp_without_a_gather():
     """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
     batch before their rules), the backward all-reduces the gradients and nothing else."""

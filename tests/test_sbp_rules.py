@@ -235,6 +235,17 @@ def _traced() -> list[Instance]:
                   (lambda a, r=r: F.multi_margin_loss(a, labels, p=2, margin=0.5, weight=weight, reduction=r), x(4, 6)),
                   (lambda a, r=r: F.multilabel_margin_loss(a, multilabel, reduction=r), x(4, 6))]
     cases.append((F.logsigmoid, x(4, 6)))
+    # PReLU, grid sampling, cdist, unfold/fold, bucketize
+    grid2, grid3 = torch.rand(4, 2, 6, 2, generator=g) * 2 - 1, torch.rand(4, 2, 2, 4, 3, generator=g) * 2 - 1
+    cases += [(F.prelu, x(4, 6, 3, 3), x(6)), (F.prelu, x(4, 6), x(1)),
+              (lambda a, b: F.grid_sample(a, b, align_corners=False), x(4, 6, 5, 5), grid2.requires_grad_()),
+              (lambda a: F.grid_sample(a, grid2, mode="nearest", padding_mode="border", align_corners=False), x(4, 6, 5, 5)),
+              (lambda a, b: F.grid_sample(a, b, align_corners=True), x(4, 6, 3, 3, 3), grid3.requires_grad_()),
+              (torch.cdist, x(4, 6, 3), x(4, 2, 3)), (torch.cdist, x(6, 3), x(4, 3)),
+              (lambda a: F.fold(F.unfold(a, 2, stride=2), (4, 4), 2, stride=2), x(4, 6, 4, 4)),
+              (lambda a: torch.bucketize(a, torch.linspace(-1, 1, 5)), x(4, 6)),
+              (lambda t: F.affine_grid(t, [4, 6, 3, 5], align_corners=False), x(4, 2, 3)),
+              (lambda t: F.affine_grid(t, [4, 6, 2, 3, 5], align_corners=True), x(4, 3, 4))]
     return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]
 
 

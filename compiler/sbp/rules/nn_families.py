@@ -174,3 +174,67 @@ def group_norm_backward(c, grad_out, input, mean, rstd, N):
     grad_in = lets if len(c.out_shape(0)) == len(lets) else [None] * len(c.out_shape(0))  # output_mask: 0-d
     outs = [grad_in] + [[None] * len(c.out_shape(i)) for i in (1, 2)]
     return Loops(ins=ins, outs=outs, reduce={"n": "sum"}), []
+
+
+@family("grid_sample")
+def grid_sample(c, input, grid):
+    """``grid_sampler_2d/3d``: input ``[N, C, *S]`` read at grid ``[N, *T, k]`` gives
+    ``[N, C, *T]``: the batch splits everything, the channels split with the input (the grid
+    ``B``), an output position dim with the grid (the input ``B``: any position may read any
+    pixel); the input's own spatial dims never split."""
+    x, g = c.tensor(input), c.tensor(grid)
+    k = len(c.shape(g)) - 2
+    pos = letters(k, start=2)
+    lp = Loops(ins={x: ["a", "b", *[None] * k], g: ["a", *pos, None]}, outs=[["a", "b", *pos]])
+    return lp, []
+
+
+@family("grid_sample_backward")
+def grid_sample_backward(c, grad_output, input, grid):
+    """Its backward: the input's gradient sums over the output positions, the grid's over
+    the channels (each ``P`` when that letter splits)."""
+    x, g = c.tensor(input), c.tensor(grid)
+    k = len(c.shape(g)) - 2
+    pos = letters(k, start=2)
+    outs = [["a", "b", *[None] * k] if t.shape else [] for t in c.node.types[:1]] + [["a", *pos, None]]
+    lp = Loops(ins={c.tensor(grad_output): ["a", "b", *pos], x: ["a", "b", *[None] * k], g: ["a", *pos, None]},
+               outs=outs, reduce={"b": "sum", **{p: "sum" for p in pos}})
+    return lp, []
+
+
+def _cdist_lead(c, x1, x2) -> list:
+    """The batch dims two cdist operands share (same shape): they split together."""
+    s1, s2 = c.shape(c.tensor(x1)), c.shape(c.tensor(x2))
+    same = len(s1) == len(s2) and s1[:-2] == s2[:-2]
+    return letters(len(s1) - 2, start=3) if same else [None] * (len(s1) - 2)
+
+
+@family("cdist")
+def cdist(c, x1, x2):
+    """``_cdist_forward``: ``[*B, P, M]`` against ``[*B, R, M]`` gives ``[*B, P, R]``: the
+    batch, the rows of either side (the other ``B``); the feature dim never (a p-norm)."""
+    lead = _cdist_lead(c, x1, x2)
+    lp = Loops(ins={c.tensor(x1): [*lead, "p", None], c.tensor(x2): [*lead, "r", None]}, outs=[[*lead, "p", "r"]])
+    return lp, []
+
+
+@family("cdist_backward")
+def cdist_backward(c, grad, x1, x2, cdist):
+    """Its backward (``x1``'s gradient): rows of ``x1`` split with it, rows of ``x2`` sum -> ``P``."""
+    lead = _cdist_lead(c, x1, x2)
+    lp = Loops(ins={c.tensor(grad): [*lead, "p", "r"], c.tensor(x1): [*lead, "p", None],
+                    c.tensor(x2): [*lead, "r", None], c.tensor(cdist): [*lead, "p", "r"]},
+               outs=[[*lead, "p", None]], reduce={"r": "sum"})
+    return lp, []
+
+
+def _affine_grid_loc(lc, theta, size):
+    lc.set[size.value] = [lc.local_out(0)[0], *lc.value(size)[1:]]  # the kernel is told its local batch
+
+
+@family("affine_grid", _affine_grid_loc)
+def affine_grid(c, theta, size):
+    """``affine_grid_generator``: one grid ``[N, *S, k]`` per batch row of ``theta``
+    ``[N, k, k+1]``: the batch splits (the kernel told its local ``N``), nothing else."""
+    lp = Loops(ins={c.tensor(theta): ["a", None, None]}, outs=[["a", *[None] * (len(c.out_shape(0)) - 1)]])
+    return lp, []
