@@ -210,3 +210,33 @@ def test_as_strided_over_a_transposed_view_parity(mesh):
     reads the same elements (before, 2x1 computed other windows: a deviation of 1.3). A pipeline
     refuses it, naming the op: ``as_strided`` has no SBP rule, so it needs the whole batch."""
     _check("tests/models/strided_chunks.py", "--mesh", mesh)
+
+
+SEG = "tests/models/seg_ce.py"
+
+
+@pytest.mark.parametrize("mesh,extra", [
+    ("2x1", []), ("1x1x2", []), ("2x1x2", []),  # mean, some targets ignore_index, unevenly per sample
+    ("2x1x2", ["--set", "reduction=sum"]),
+    ("2x1x2", ["--set", "reduction=none"]),  # the per-pixel loss weighted by a map, then averaged
+    ("2x1", ["--set", "weighted=True"]),
+    ("2x1x2", ["--set", "weighted=True", "--set", "reduction=none"]),
+    ("2x1x2", ["--set", "dims=1"]),  # [N, C, L]: torch views it as [N, C, 1, L]
+    ("2x1x2", ["--set", "dims=3", "--set", "weighted=True"]),  # [N, C, D, H, W]
+    # a class-parallel head on tp; the cost model cuts the pixel rows there (not the classes)
+    ("1x2", ["--config", "tests/models/seg_ce.toml", "--set", "width=128", "--set", "classes=2048"]),
+])
+def test_per_pixel_cross_entropy_parity(mesh, extra):
+    """``cross_entropy(logits[N, C, *S], target[N, *S])`` (``nll_loss2d``): decompose makes it
+    the 1-D NLL of one row per pixel, which splits with the batch (without it dp gathered the
+    log-probabilities and a pipeline refused ``nll_loss2d_forward``)."""
+    _check(SEG, "--mesh", mesh, *extra)
+
+
+def test_per_pixel_cross_entropy_moves_no_logits_on_dp():
+    """On dp the forward and backward move only the kept-target mask for the mean's count (one
+    byte a pixel), never the log-probabilities or the targets (before: both gathered)."""
+    plan = compile_model(load_model(SEG, {}), parse_mesh("2x1"), batch_size=4, optimizer=OptimizerConfig()).plan
+    pixels = 4 * 6 * 6
+    moved = [c for c in collectives(plan) if c.role in ("fwd", "bwd") and c.moves_data]
+    assert all(c.nbytes <= pixels for c in moved), moved

@@ -17,6 +17,13 @@ same value with ops that have SBP rules:
   partial, so the mean is exact even when ignored targets are spread unevenly. Without class
   weights the count is taken from the targets alone (``sum(target != ignore_index)``), so it
   never waits for the logits: micro-batches learn the whole batch's count up front;
+- ``nll_loss2d_forward(self[N, C, *S], target[N, *S])``, the per-pixel loss of
+  ``cross_entropy`` on ``[N, C, H, W]`` (and on ``[N, C, L]``, ``[N, C, D, H, W]``, which torch
+  views as ``[N, C, 1, prod(S)]``) = ``nll_loss_forward`` of one row per pixel: ``self`` permuted
+  channels-last and reshaped to ``[N*prod(S), C]``, the target to ``[N*prod(S)]`` (reduction
+  none: the loss reshaped back to ``[N, *S]``), and its mean rewritten as above. The batch dim
+  leads the merge, so a dp or micro-batch split stays ``S(0)``; its backward likewise, the
+  ``[N*prod(S), C]`` gradient reshaped to ``[N, *S, C]`` and permuted back;
 - ``index(x, [arange(B)[:, None], arange(L)[None, :]])``, indices that read ``x`` in order,
   = ``x.reshape`` (``iota_index.py``): a padding mask indexed so splits with its batch; a pick
   per row ``x[arange(B), j]`` = ``gather`` along dim 1, its backward ``scatter_add``;
@@ -35,7 +42,7 @@ from sbpc.compiler.passes.decompose.embedding_bag import rewrite_bags
 from sbpc.compiler.passes.decompose.iota_index import iota_reshape, row_gather
 from sbpc.compiler.passes.decompose.like import like
 
-_MEAN, _SUM = 1, 2
+_NONE, _MEAN, _SUM = 0, 1, 2
 
 
 @dataclass
@@ -141,10 +148,73 @@ def _nll_loss_backward(n: Node, fresh, types) -> list[Node]:
     ]
 
 
+def _nll_loss2d_forward(n: Node, fresh, types) -> list[Node]:
+    """``nll_loss2d_forward(self[N, C, *S], target[N, *S], ...)`` = ``nll_loss_forward`` of one
+    row per pixel (``_pixel_rows``), so the 1-D loss's rules (batch and class splits) and its
+    mean rewrite above serve it; reduction none reshapes the per-row loss back to ``[N, *S]``."""
+    out, weight = n.outputs
+    nodes, rows, targets, types = _pixel_rows(n, n.args[0], n.args[1], fresh, types)
+    args = [rows, targets, *n.args[2:]]
+    if n.args[3] != _NONE:
+        return nodes + _nll_loss_forward(like(n, n.outputs, "aten.nll_loss_forward.default", args, n.types, n.kwargs),
+                                         fresh, types)
+    loss_t = n.types[0]
+    per_row = fresh(f"{out}_per_row")
+    return nodes + [
+        like(n, [per_row, weight], "aten.nll_loss_forward.default", args,
+             [TensorType(types[targets.name].shape, loss_t.dtype), n.types[1]], n.kwargs),
+        like(n, [out], "aten.reshape.default", [Ref(per_row), list(loss_t.shape)], [loss_t]),
+    ]
+
+
+def _nll_loss2d_backward(n: Node, fresh, types) -> list[Node]:
+    """``nll_loss2d_backward`` = ``nll_loss_backward`` on the rows of ``_pixel_rows`` (with its
+    mean rewrite); the ``[N*prod(S), C]`` gradient is reshaped to ``[N, *S, C]`` and permuted
+    back to ``[N, C, *S]``."""
+    g, out = n.args[0], n.outputs[0]
+    nodes, rows, targets, types = _pixel_rows(n, n.args[1], n.args[2], fresh, types)
+    if types[g.name].shape:  # reduction none: one gradient per pixel, flattened like the targets
+        flat_g = fresh(f"{out}_grows")
+        flat_t = TensorType(types[targets.name].shape, types[g.name].dtype)
+        nodes.append(like(n, [flat_g], "aten.reshape.default", [g, list(flat_t.shape)], [flat_t]))
+        g = Ref(flat_g)
+    t, row_t = n.types[0], types[rows.name]
+    gout, glast = fresh(f"{out}_gout"), fresh(f"{out}_glast")
+    last = (t.shape[0], *t.shape[2:], t.shape[1])
+    rank = len(t.shape)
+    flat = like(n, [gout], "aten.nll_loss_backward.default", [g, rows, targets, *n.args[3:]],
+                [TensorType(row_t.shape, t.dtype)], n.kwargs)
+    return nodes + _nll_loss_backward(flat, fresh, types) + [
+        like(n, [glast], "aten.reshape.default", [Ref(gout), list(last)], [TensorType(last, t.dtype)]),
+        like(n, [out], "aten.permute.default", [Ref(glast), [0, rank - 1, *range(1, rank - 1)]], n.types),
+    ]
+
+
+def _pixel_rows(n: Node, x: Ref, t: Ref, fresh, types) -> tuple[list[Node], Ref, Ref, dict]:
+    """The nodes that make ``x[N, C, *S]`` channels-last rows ``[N*prod(S), C]`` and ``t[N, *S]``
+    the flat ``[N*prod(S)]``, those two values, and ``types`` with theirs. The batch dim leads
+    the merge, so a batch split (dp, micro-batches) passes through the reshapes as ``S(0)``."""
+    x_t, t_t = types[x.name], types[t.name]
+    rank, classes = len(x_t.shape), x_t.shape[1]
+    out = n.outputs[0]
+    last, rows, targets = fresh(f"{out}_last"), fresh(f"{out}_rows"), fresh(f"{out}_targets")
+    last_t = TensorType((x_t.shape[0], *x_t.shape[2:], classes), x_t.dtype)
+    rows_t = TensorType((x_t.numel // classes, classes), x_t.dtype)
+    targets_t = TensorType(rows_t.shape[:1], t_t.dtype)
+    nodes = [
+        like(n, [last], "aten.permute.default", [x, [0, *range(2, rank), 1]], [last_t]),
+        like(n, [rows], "aten.reshape.default", [Ref(last), list(rows_t.shape)], [rows_t]),
+        like(n, [targets], "aten.reshape.default", [t, list(targets_t.shape)], [targets_t]),
+    ]
+    return nodes, Ref(rows), Ref(targets), {**types, rows: rows_t, targets: targets_t}
+
+
 _CLASS_DIM = frozenset({"aten._log_softmax.default", "aten._log_softmax_backward_data.default"})
 _REWRITES = {
     "aten._log_softmax.default": _log_softmax,
     "aten._log_softmax_backward_data.default": _log_softmax_backward,
     "aten.nll_loss_forward.default": _nll_loss_forward,
     "aten.nll_loss_backward.default": _nll_loss_backward,
+    "aten.nll_loss2d_forward.default": _nll_loss2d_forward,
+    "aten.nll_loss2d_backward.default": _nll_loss2d_backward,
 }
