@@ -190,6 +190,28 @@ def test_ill_conditioned_gradients_pass_on_a_correct_plan_and_a_wrong_one_fails(
     _fails(report, "grad")
 
 
+def test_an_ill_conditioned_loss_is_judged_on_eagers_own_error_and_a_wrong_one_fails():
+    """A KL divergence of close distributions (about 1e-2, the residue of terms of about 2):
+    float32 gets it right only to ~5e-6 of itself, so on its size alone a correct 2x1 plan read
+    7e-6, at the edge of the tolerance. On eager's own float32 error it reads ~5e-7; a plan whose
+    loss is off by 0.1% still fails, on the loss."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.ir.mesh import parse_mesh
+
+    source, optimizer = load_model("tests/models/kl_distill.py", {}), OptimizerConfig()
+    plan = compile_model(source, parse_mesh("2x1"), batch_size=4, optimizer=optimizer).plan
+    report = check_on_ranks(plan, optimizer, steps=3, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed and max(r.loss.value for r in report.rows[1:]) < 2e-6, report.table()
+    one = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=optimizer).plan
+    batchmean = lambda ins: ins.op == "aten.div.Tensor" and ins.role == "fwd"  # the sum over the batch / 4
+    div = next(i for i in one.stages[0].instructions if batchmean(i))
+    broken = _corrupt(one, batchmean, args=[div.args[0], div.args[1] * 1.001])
+    report = run_check(broken, source, Runner(broken, make_backend("cpu"), seed=0), optimizer, steps=1, seed=0,
+                       tolerance=TOL)
+    _fails(report, "loss")
+
+
 def test_update_deviation_is_relative_to_the_step():
     before = torch.ones(8)
     eager = before - 1e-3

@@ -390,10 +390,10 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         finite = _finite(refs.values())
         noise, loss_noise, why = eager.rounding_noise(batch, step_seed(seed, step), loss) if finite else ({}, 0.0, None)
-        # under autocast the loss too is judged on eager's own error (a tp split reassociates the
-        # low-precision logits); in float32 on its size alone, as before
-        low = plan.precision.compute != Precision.FP32
-        loss_scale = max(abs(float(loss)), 1e-12, loss_noise / NOISE_RESOLUTION if low else 0.0)
+        # the loss too is judged on eager's own error where that is above its size: under
+        # autocast (a tp split reassociates the low-precision logits), and in float32 a loss
+        # that is the small residue of large terms (a KL divergence of close distributions)
+        loss_scale = max(abs(float(loss)), 1e-12, loss_noise / NOISE_RESOLUTION)
         row.loss.update("loss", deviation(torch.tensor(result.loss), loss, loss_scale))
         if why and why not in report.notes:
             report.notes.append(why + ": gradients judged on their scale and the floor alone")
