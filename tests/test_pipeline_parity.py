@@ -184,6 +184,20 @@ def test_vision_ops_without_a_batch_split_before_parity(mesh):
     _check("tests/models/vision_ops.py", "--mesh", mesh)
 
 
+def test_a_batch_statistic_fed_back_into_each_sample_is_refused_by_name():
+    """It was an internal-sounding "runs once a step ... report this plan"; now the user's line
+    and a hint that is true: one micro-batch runs it on the same mesh."""
+    from conftest import sbpc
+
+    r = sbpc("check", "tests/models/batch_statistic.py", "--mesh", "1x1x2", "--ranks", "threads")
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert "a sum over the whole batch, is needed by every micro-batch's backward" in line, line
+    assert "(at tests/models/batch_statistic.py:20)" in line and "--microbatches 1" in line, line
+    _check("tests/models/batch_statistic.py", "--mesh", "1x1x2", "--microbatches", "1")
+
+
 def test_losses_split_with_the_batch_on_dp_without_a_gather():
     """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
     batch before their rules), the backward all-reduces the gradients and nothing else."""
