@@ -224,3 +224,15 @@ def test_padded_model_state_bytes(captured, zero):
         assert 4 * padded // n <= e.grad_bytes <= 4 * P
     split = sum(_numel(p.shape) for p in plan.params if p.sbp[0] != "B")
     assert e.param_bytes == (4 * split // n + 4 * (P - split) if zero == 3 else 4 * P)
+
+
+def test_zero_on_a_mesh_without_dp_warns_that_it_changes_nothing(tmp_path):
+    """``--zero 3`` on ``1x4``: nothing to shard over, so the plan is the stage-0 one; the user
+    is told so instead of believing the optimizer state is sharded."""
+    from conftest import sbpc
+
+    r = sbpc("compile", "examples/gpt.py", "--mesh", "1x2", "--zero", "3", "-o", str(tmp_path / "z.json"))
+    assert r.returncode == 0, r.stderr
+    assert "sbpc: warning: --zero 3 shards over dp, and this mesh has dp=1: it changes nothing" in r.stderr, r.stderr
+    r = sbpc("compile", "examples/gpt.py", "--mesh", "2x1", "--zero", "3", "-o", str(tmp_path / "z2.json"))
+    assert r.returncode == 0 and "--zero" not in r.stderr, r.stderr

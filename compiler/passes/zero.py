@@ -85,6 +85,9 @@ class Zero:
         dp = graph.mesh.size(AXIS)
         if self.stage != 0 and dp > 1:
             graph = _Rewrite(graph, self.stage, dp).run()
+        elif self.stage != 0:  # the user asked for sharding that this mesh cannot give
+            print(f"sbpc: warning: --zero {self.stage} shards over dp, and this mesh has dp=1: it changes nothing "
+                  "(a mesh of the form DPxTP..., with DP > 1, shards)", file=ctx.log)
         if graph.mesh.microbatches > 1 and not (self.stage >= 3 and dp > 1):
             # each micro-batch's forward makes its own copy of a weight's cast (a bf16 weight
             # under autocast) and would keep it until its backward: p - s copies in flight on
