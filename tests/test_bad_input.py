@@ -276,6 +276,10 @@ CASES = [
     Case("search-config-with-stages", ["search", "examples/gpt.py", "--devices", "2", "--cluster", "h200",
                                        "--batch-size", "4", "--config", "examples/gpt.pp.toml"],
          "its [stages] table fixes a pipeline cut"),
+    Case("stages-config-on-a-deeper-pipeline", ["compile", "examples/gpt.py", "--mesh", "1x1x4", "--config",
+                                                "examples/gpt.pp.toml", "-o", "{tmp}/pp.json"],
+         ("pipeline chunk 2 of 4 gets no forward op: the stage hints", "place modules on chunks 0, 1 only",
+          "spread the hints over chunks 0-3")),
     Case("explain-unknown-tensor", ["explain", "{tmp}/plan.json", "nope"], "no value or parameter named 'nope'",
          compiled()),
     # --- run flags --------------------------------------------------------------------------

@@ -48,7 +48,8 @@ class StagePartition:
         stages = assign_stages(graph, chunks, self.policy, self.microbatches)
         out = replace(graph, nodes=[replace(n, stage=s) for n, s in zip(graph.nodes, stages)])
         out = per_chunk_hyper_ops(out)
-        check_stages(out, chunks)
+        hinted = sorted({n.stage for n in graph.nodes if n.stage is not None and n.role == Role.FORWARD})
+        check_stages(out, chunks, hinted)
         return out
 
 
@@ -220,8 +221,9 @@ def _too_few_units(graph: Graph, units: list[list[int]]) -> None:
                             "top-level modules, never inside one; use a smaller pp or a deeper model")
 
 
-def check_stages(graph: Graph, num_chunks: int) -> None:
-    """The placement rules (see the module doc); a violation names the op and its line."""
+def check_stages(graph: Graph, num_chunks: int, hinted: list[int] | None = None) -> None:
+    """The placement rules (see the module doc); a violation names the op and its line.
+    ``hinted``: the chunks the user's stage hints name, which an empty chunk is blamed on."""
     made = {v: graph.nodes[i] for v, i in graph.producers().items()}
     stage = {v: n.stage for v, n in made.items()}
     role = {v: n.role for v, n in made.items()}
@@ -241,6 +243,13 @@ def check_stages(graph: Graph, num_chunks: int) -> None:
     loss = graph.outputs_of(OutputKind.LOSS)[0].value
     if loss in stage and stage[loss] != num_chunks - 1:
         raise CompileError(f"the loss is in chunk {stage[loss]}, not the last chunk {num_chunks - 1}", hint=_HINT_FIX)
+    if 0 in used and hinted:  # the partitioner cuts within the hints' bounds: they left the chunk nothing
+        named = ", ".join(map(str, hinted))
+        raise CompileError(f"pipeline chunk {used.index(0)} of {num_chunks} gets no forward op: the stage hints "
+                           f"(the config's [stages], sbpc.stage scopes) place modules on chunk{'s' * (len(hinted) > 1)} "
+                           f"{named} only",
+                           hint=f"spread the hints over chunks 0-{num_chunks - 1} for this mesh (pp x virtual stages), "
+                                "or drop [stages] and let the partitioner cut")
     if 0 in used:
         raise CompileError(f"pipeline chunk {used.index(0)} of {num_chunks} gets no forward op",
                            hint="use fewer pipeline stages (pp) or virtual stages, or move ops onto it with stage hints")
