@@ -179,7 +179,7 @@ def test_losses_without_a_batch_split_before_parity(mesh):
 
 @pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
 def test_vision_ops_without_a_batch_split_before_parity(mesh):
-    """PReLU, unfold/fold, affine_grid + grid_sample and cdist split with the batch and the
+    """PReLU, unfold/fold, affine_grid + grid_sample, cdist and Tensor.unfold split with the batch and the
     micro-batches by their rules (without them a pipeline refused the model)."""
     _check("tests/models/vision_ops.py", "--mesh", mesh)
 
@@ -193,7 +193,7 @@ def test_a_batch_statistic_fed_back_into_each_sample_is_refused_by_name():
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     line = r.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in line, line
-    assert "a sum over the whole batch, is needed by every micro-batch's backward" in line, line
+    assert "a sum over the whole batch is needed by every micro-batch's backward" in line, line
     assert "(at tests/models/batch_statistic.py:20)" in line and "--microbatches 1" in line, line
     _check("tests/models/batch_statistic.py", "--mesh", "1x1x2", "--microbatches", "1")
 

@@ -244,6 +244,7 @@ def _traced() -> list[Instance]:
               (torch.cdist, x(4, 6, 3), x(4, 2, 3)), (torch.cdist, x(6, 3), x(4, 3)),
               (lambda a: F.fold(F.unfold(a, 2, stride=2), (4, 4), 2, stride=2), x(4, 6, 4, 4)),
               (lambda a: torch.bucketize(a, torch.linspace(-1, 1, 5)), x(4, 6)),
+              (lambda a: a.unfold(2, 3, 2), x(4, 6, 7)), (lambda a: a.unfold(0, 2, 2), x(8, 6)),
               (lambda t: F.affine_grid(t, [4, 6, 3, 5], align_corners=False), x(4, 2, 3)),
               (lambda t: F.affine_grid(t, [4, 6, 2, 3, 5], align_corners=True), x(4, 3, 4))]
     return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]

@@ -213,16 +213,17 @@ class _Cutter:
     def _gradient_of_a_batch_value_error(self, nodes: list[Node], n: Node, reduce: Node) -> CompileError:
         """A micro-batch's op that must wait for a sum over every micro-batch made after the
         forward: the gradient of a statistic of the whole batch (a mean over the batch dim added
-        back into each sample), which every micro-batch's backward needs before it can go on."""
+        back into each sample), which every micro-batch's backward needs before it can go on.
+        Named at the op (a backward op carries its forward op's line: the statistic's), else at
+        the sum's own source."""
         x = reduce.args[0].name if self._is_mb_reduce(reduce) and reduce.args else None
         source = self.producer.get(x) if x else None
-        at = nodes[source].loc if source is not None and nodes[source].loc else reduce.loc or n.loc
-        what = f"%{x}, a sum over the whole batch," if x else "a sum over the whole batch"
-        return CompileError(f"{what} is needed by every micro-batch's backward ({n.op}), so no micro-batch "
-                            "can finish before all have: a pipeline cannot split this step",
+        at = n.loc or (nodes[source].loc if source is not None else None) or reduce.loc
+        return CompileError(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), so no "
+                            "micro-batch can finish before all have: a pipeline cannot split this step",
                             location=str(at) if at else None,
-                            hint="a statistic over the batch dim (a mean over samples) whose gradient flows back into "
-                                 "each sample: compute it per sample, or run with --microbatches 1")
+                            hint="a statistic over the batch dim (a mean or max over samples) whose gradient flows back "
+                                 "into each sample: compute it per sample, or run with --microbatches 1")
 
     def _is_mb_reduce(self, n: Node) -> bool:
         return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH

@@ -324,3 +324,31 @@ def pad(c, self, pad):
         if p[i] or (i + 1 < len(p) and p[i + 1]):
             lp.fixed.add(lp.outs[0][rank - 1 - i // 2])
     return lp, []
+
+
+@family("unfold")
+def unfold(c, self, dimension):
+    """``Tensor.unfold(d, size, step)``: windows along ``d`` (their count in place of ``d``, each
+    window's elements a new last dim). Every other dim splits with the input; ``d`` never (a
+    window may straddle two blocks)."""
+    rank = len(c.shape(c.tensor(self)))
+    lets = letters(rank)
+    d = norm_dim(c.value(dimension), max(rank, 1))
+    if rank:
+        lets[d] = None
+    return Loops(ins={c.tensor(self): lets}, outs=[[*lets, None]]), []
+
+
+def _unfold_backward_loc(lc, grad_in, input_sizes, dim):
+    lc.set[input_sizes.value] = lc.local_out(0)  # the kernel is told its local input's shape
+
+
+@family("unfold_backward", _unfold_backward_loc)
+def unfold_backward(c, grad_in, input_sizes, dim):
+    """Its backward: the windows summed back into the input's shape, split as ``unfold``."""
+    rank = len(c.out_shape(0))
+    lets = letters(rank)
+    d = norm_dim(c.value(dim), max(rank, 1))
+    if rank:
+        lets[d] = None
+    return Loops(ins={c.tensor(grad_in): [*lets, None]}, outs=[lets]), []
