@@ -184,6 +184,14 @@ def test_vision_ops_without_a_batch_split_before_parity(mesh):
     _check("tests/models/vision_ops.py", "--mesh", mesh)
 
 
+@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
+def test_weight_and_spectral_norm_parity(mesh):
+    """Weight normalization (parametrized and hook-based, over dim 0 and the last dim) and
+    spectral normalization, whose power iteration writes its u and v buffers with ``out=``
+    (capture refused ``aten.div.out``; a pipeline stage did not hold the u it only writes)."""
+    _check("tests/models/weight_norms.py", "--mesh", mesh)
+
+
 def test_losses_split_with_the_batch_on_dp_without_a_gather():
     """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
     batch before their rules), the backward all-reduces the gradients and nothing else."""

@@ -246,6 +246,9 @@ def _traced() -> list[Instance]:
               (lambda a: torch.bucketize(a, torch.linspace(-1, 1, 5)), x(4, 6)),
               (lambda t: F.affine_grid(t, [4, 6, 3, 5], align_corners=False), x(4, 2, 3)),
               (lambda t: F.affine_grid(t, [4, 6, 2, 3, 5], align_corners=True), x(4, 3, 4))]
+    # weight normalization over dim 0 and the last dim; spectral normalization's vdot
+    cases += [(lambda v, w: torch._weight_norm(v, w, 0), x(6, 4, 3), x(6, 1, 1)),
+              (lambda v, w: torch._weight_norm(v, w, 2), x(6, 4, 4), x(1, 1, 4)), (torch.vdot, x(8), x(8))]
     return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]
 
 

@@ -238,3 +238,25 @@ def affine_grid(c, theta, size):
     ``[N, k, k+1]``: the batch splits (the kernel told its local ``N``), nothing else."""
     lp = Loops(ins={c.tensor(theta): ["a", None, None]}, outs=[["a", *[None] * (len(c.out_shape(0)) - 1)]])
     return lp, []
+
+
+def _per_dim(c, dim, *tensors) -> dict:
+    """Each tensor's dims: ``dim`` (of the first tensor's rank) the letter ``a``, the others none."""
+    d = norm_dim(c.value(dim), len(c.shape(c.tensor(tensors[0]))))
+    return {c.tensor(t): ["a" if i == d else None for i in range(len(c.shape(c.tensor(t))))] for t in tensors}
+
+
+@family("weight_norm")
+def weight_norm(c, v, g, dim):
+    """``_weight_norm_interface``: ``w = v * g / |v|``, the norm over every dim of ``v`` but
+    ``dim`` (``g`` and the norms keep ``dim``, size 1 elsewhere): ``dim`` splits everything
+    together, no other dim (a norm is not the sum of the devices' norms)."""
+    ins = _per_dim(c, dim, v, g)
+    return Loops(ins=ins, outs=[ins[c.tensor(v)], ins[c.tensor(g)]]), []
+
+
+@family("weight_norm_backward")
+def weight_norm_backward(c, grad_w, v, g, norms, dim):
+    """Its backward, ``(grad_v, grad_g)``: the same, ``dim`` alone splits."""
+    ins = _per_dim(c, dim, grad_w, v, g, norms)
+    return Loops(ins=ins, outs=[ins[c.tensor(v)], ins[c.tensor(g)]]), []
