@@ -192,6 +192,24 @@ def test_weight_and_spectral_norm_parity(mesh):
     _check("tests/models/weight_norms.py", "--mesh", mesh)
 
 
+@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
+def test_layer_ops_without_a_batch_split_before_parity(mesh):
+    """torch.polar on activations (a complex scalar in its backward), F.rrelu without training,
+    nn.Bilinear, diag_embed, pixel (un)shuffle and channel shuffle split with the batch and the
+    micro-batches (capture refused the first two; a pipeline refused the others)."""
+    _check("tests/models/layer_ops.py", "--mesh", mesh)
+
+
+def test_layer_ops_split_with_the_batch_on_dp_without_a_gather():
+    """On dp every op of ``layer_ops`` runs on its rank's rows: the forward moves no activation
+    (only cross-entropy's 0-d count of targets, as every dp plan of it)."""
+    plan = compile_model(load_model("tests/models/layer_ops.py", {}), parse_mesh("2x1"), batch_size=8,
+                         optimizer=OptimizerConfig()).plan
+    moved = [c for c in collectives(plan) if c.moves_data and c.nbytes > 4]
+    assert not [c for c in moved if c.role == "fwd"], moved
+    assert {c.kind for c in moved} == {"all_reduce"}, moved
+
+
 def test_losses_split_with_the_batch_on_dp_without_a_gather():
     """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
     batch before their rules), the backward all-reduces the gradients and nothing else."""

@@ -95,6 +95,32 @@ def diagonal(c, self, dim1, dim2):
     return Loops(ins={c.tensor(self): lets}, outs=[out], fixed={lets[d1], lets[d2]}), []
 
 
+@family("diag_embed")
+def diag_embed(c, self, dim1, dim2):
+    """``diag_embed``, the reverse of ``diagonal``: the input's last dim becomes the diagonal of
+    output dims ``dim1`` and ``dim2`` (neither splits); the other dims pass in order."""
+    rank = len(c.shape(c.tensor(self)))
+    d1, d2 = norm_dim(c.value(dim1), rank + 1), norm_dim(c.value(dim2), rank + 1)
+    lead = iter(letters(rank - 1))
+    out = [None if d in (d1, d2) else next(lead) for d in range(rank + 1)]
+    return Loops(ins={c.tensor(self): [*letters(rank - 1), None]}, outs=[out]), []
+
+
+@family("trilinear")
+def trilinear(c, i1, i2, i3, expand1, expand2, expand3, sumdim):
+    """``_trilinear`` (``nn.Bilinear``: ``x1 W x2``): each input is the whole loop nest with the
+    dims of its ``expand`` list left out (unsqueezed); the ``sumdim`` dims are summed and
+    dropped from the output. A split kept dim splits the output, a split summed dim gives
+    ``P``; so the batch splits everything, the output features split with the weight."""
+    rank = len(c.shape(c.tensor(i1))) + len(c.value(expand1))
+    lets = letters(rank)
+    ins = {c.tensor(t): [x for d, x in enumerate(lets) if d not in c.value(e)]
+           for t, e in ((i1, expand1), (i2, expand2), (i3, expand3))}
+    summed = set(c.value(sumdim))
+    out = [x for d, x in enumerate(lets) if d not in summed]
+    return Loops(ins=ins, outs=[out], reduce={lets[d]: "sum" for d in summed}), []
+
+
 def _norm_stat(c, i: int, lets: list, lead: int) -> list:
     return lets[:lead] + [None] * (len(c.out_shape(i)) - lead)
 
