@@ -186,9 +186,10 @@ def test_vision_ops_without_a_batch_split_before_parity(mesh):
 
 @pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
 def test_weight_and_spectral_norm_parity(mesh):
-    """Weight normalization (parametrized and hook-based, over dim 0 and the last dim) and
-    spectral normalization, whose power iteration writes its u and v buffers with ``out=``
-    (capture refused ``aten.div.out``; a pipeline stage did not hold the u it only writes)."""
+    """Weight normalization (parametrized and hook-based, over dim 0, the last dim and the whole
+    tensor) and spectral normalization, whose power iteration writes its u and v buffers with
+    ``out=`` (capture refused ``aten.div.out``; a pipeline stage did not hold the u it only
+    writes; a pipeline's AdamW stepped the whole tensor's 0-d magnitude in float64)."""
     _check("tests/models/weight_norms.py", "--mesh", mesh)
 
 
