@@ -184,13 +184,24 @@ def test_vision_ops_without_a_batch_split_before_parity(mesh):
     _check("tests/models/vision_ops.py", "--mesh", mesh)
 
 
-@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
-def test_weight_and_spectral_norm_parity(mesh):
+@pytest.mark.parametrize("mesh,extra", [("2x1x2", []), ("1x1x4", []), ("2x2", []),
+                                        ("2x2", ["--config", "tests/models/weight_norms.toml"])])
+def test_weight_and_spectral_norm_parity(mesh, extra):
     """Weight normalization (parametrized and hook-based, over dim 0, the last dim and the whole
     tensor) and spectral normalization, whose power iteration writes its u and v buffers with
     ``out=`` (capture refused ``aten.div.out``; a pipeline stage did not hold the u it only
     writes; a pipeline's AdamW stepped the whole tensor's 0-d magnitude in float64)."""
-    _check("tests/models/weight_norms.py", "--mesh", mesh)
+    _check("tests/models/weight_norms.py", "--mesh", mesh, *extra)
+
+
+def test_weight_norm_splits_with_its_weight_on_tp():
+    """Output channels split on tp (weight_norm's dim 0): ``_weight_norm_interface`` and its
+    backward run on each rank's channels, without gathering the weight."""
+    plan = compile_model(load_model("tests/models/weight_norms.py", {}), parse_mesh("1x2"), batch_size=4,
+                         optimizer=OptimizerConfig(), config=load_config("tests/models/weight_norms.toml")).plan
+    norms = [i for prog in plan.stages for i in prog.instructions if i.op.startswith("aten._weight_norm_interface")
+             and i.loc.module.startswith("pre")]
+    assert len(norms) == 2 and all(t.sbp == ["B", "S(0)"] for i in norms for t in i.types), norms
 
 
 @pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
