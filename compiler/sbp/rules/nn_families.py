@@ -1,4 +1,6 @@
-"""Families of the convolution, pooling, upsampling and padding ops, and of diagonal.
+"""Families of the convolution, pooling, upsampling and padding ops, and of the other layers
+of neural networks: diagonal and diag_embed, nn.Bilinear, the normalizations (batch, group,
+RMS, weight), grid sampling and cdist.
 
 These ops mix a fixed number of trailing spatial dims (never split: a window or a resampling
 crosses block boundaries); the leading batch and channel dims split freely, and a
