@@ -141,6 +141,8 @@ def encode_arg(a):
         return P.SymArg(sym=a.name)
     if isinstance(a, float) and not math.isfinite(a):
         return P.FloatArg(float=str(a))
+    if isinstance(a, complex):
+        return P.ComplexArg(complex=(repr(a.real), repr(a.imag)))
     if isinstance(a, (list, tuple)):
         return [encode_arg(x) for x in a]
     return a

@@ -58,6 +58,8 @@ def decode_arg(a):
         return Sym(a.sym)
     if isinstance(a, P.FloatArg):
         return float(a.float)
+    if isinstance(a, P.ComplexArg):
+        return P.complex_value(a)
     if isinstance(a, list):
         return [decode_arg(x) for x in a]
     return a

@@ -17,7 +17,7 @@ import torch
 from sbpc.errors import RuntimeFailure
 from sbpc.runtime.backend import Backend, returns_list, torch_op
 from sbpc.runtime.kinds import MemoryKind
-from sbpc.runtime.plan import DTypeArg, FloatArg, Instruction, RefArg, SymArg
+from sbpc.runtime.plan import ComplexArg, DTypeArg, FloatArg, Instruction, RefArg, SymArg, complex_value
 
 _FIRST_LINE = 3  # generated source: "def ...", unpacking of inputs, then one line per instruction
 
@@ -101,6 +101,8 @@ class Program:
             return self._const(self._device if a.sym == "device" else getattr(torch, a.sym))
         if isinstance(a, FloatArg) or (isinstance(a, float) and not math.isfinite(a)):
             return self._const(float(a.float if isinstance(a, FloatArg) else a))
+        if isinstance(a, ComplexArg):
+            return self._const(complex_value(a))
         return repr(a)  # int, finite float, bool, None, str: repr round-trips exactly
 
     def _failure(self, err: Exception) -> Exception:

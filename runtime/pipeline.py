@@ -127,10 +127,13 @@ class PipelineRunner(Runner):
         mine = {v for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage for v in b.inputs}
         self._inputs_here = mine
         self._batch_here = {b.value for b in plan.batch if b.value in mine}  # the batch tensors this stage reads
-        self._load(weights, seed, {p.name for p in plan.params if p.value in mine},
-                   {b.name for b in plan.buffers if b.value in mine}, {s.name for s in plan.states if s.value in mine})
         self._made_here = {o for key, b in self.graph.bodies.items() if key[0] % self.p == self.stage
                            for it in b.kernels + b.recvs + b.reads for o in it.outs}
+        # a buffer the forward overwrites without reading it (spectral norm's u, the out= of its
+        # power iteration) is held where it is written
+        self._load(weights, seed, {p.name for p in plan.params if p.value in mine},
+                   {b.name for b in plan.buffers if b.value in mine or b.update in self._made_here},
+                   {s.name for s in plan.states if s.value in mine})
         self._tags = {s.out: s.tag for ss in self.graph.sends.values() for s in ss}  # one per transfer
         self._host_transfers = host_transfers(plan)
         self.steps = 0

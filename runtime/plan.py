@@ -54,7 +54,16 @@ class FloatArg(_Model):
     float: Literal["inf", "-inf", "nan"]  # JSON has no spelling for these
 
 
-Arg = TypeAliasType("Arg", Union[RefArg, DTypeArg, SymArg, FloatArg, bool, int, float, str, None, list["Arg"]])
+class ComplexArg(_Model):
+    complex: tuple[str, str]  # the real and imaginary parts, each as Python's repr: exact, and inf/nan too
+
+
+def complex_value(a: ComplexArg) -> complex:
+    return complex(float(a.complex[0]), float(a.complex[1]))
+
+
+Arg = TypeAliasType("Arg", Union[RefArg, DTypeArg, SymArg, FloatArg, ComplexArg, bool, int, float, str, None,
+                                 list["Arg"]])
 
 
 class ValueType(_Model):

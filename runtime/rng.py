@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from sbpc.runtime.backend import torch_op
-from sbpc.runtime.plan import DTYPES, DTypeArg, FloatArg, Instruction, RefArg, SymArg
+from sbpc.runtime.plan import DTYPES, ComplexArg, DTypeArg, FloatArg, Instruction, RefArg, SymArg, complex_value
 from sbpc.runtime.sbp import parse_nd_sbp
 from sbpc.runtime.sharding import local_shard
 
@@ -113,4 +113,6 @@ def _literal(a: Any) -> Any:
         return torch.device("cpu") if a.sym == "device" else getattr(torch, a.sym)
     if isinstance(a, FloatArg):
         return float(a.float)
+    if isinstance(a, ComplexArg):
+        return complex_value(a)
     return a

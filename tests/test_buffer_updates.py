@@ -150,3 +150,24 @@ def test_channels_split_on_tp_keep_the_running_statistics_exact(tmp_path):
     assert {p.name: p.sbp for p in plan.params}["bn.weight"][-1] == "S(0)"
     report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=TOL, ranks="threads")
     assert report.passed, report.table()
+
+
+def test_spectral_norm_power_iteration_writes_its_buffers_out_of_place():
+    """``F.normalize(..., out=u)`` (spectral norm's power iteration) writes the whole buffer: it
+    becomes the out-of-place op, whose result is the buffer's update (capture refused
+    ``aten.div.out`` before)."""
+    g = capture(load_model("tests/models/weight_norms.py"), parse_mesh("1"), 8, OptimizerConfig())
+    buffers = {i.name for i in g.inputs_of(InputKind.BUFFER)}
+    written = {o.name for o in g.outputs_of(OutputKind.UPDATE)} & buffers
+    assert written == {f"{m}.parametrizations.weight.0._{x}" for m in ("sn", "out") for x in "uv"} | \
+        {"sn_old.weight_u", "sn_old.weight_v"}
+    assert not any(n.op.endswith(".out") for n in g.nodes)
+
+
+def test_hook_based_weight_norm_gets_a_float64_reference():
+    """The old ``nn.utils.weight_norm`` / ``spectral_norm`` keep the computed weight as a plain
+    attribute, which ``copy.deepcopy`` refused: the check's float64 twin copies it detached."""
+    plan = _plan("tests/models/weight_norms.py", "2x1")
+    report = check_on_ranks(plan, OptimizerConfig(), steps=1, seed=0, tolerance=TOL, ranks="threads")
+    assert report.passed, report.table()
+    assert not [n for n in report.notes if "no float64 reference" in n], report.notes

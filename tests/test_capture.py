@@ -127,3 +127,19 @@ def test_a_model_file_imports_its_siblings(tmp_path):
         "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),)\n")
     graph = capture(load_model(str(tmp_path / "model.py")), parse_mesh("1"), 4, OptimizerConfig())
     assert any(i.name == "block.lin.weight" for i in graph.inputs_of(InputKind.PARAM))
+
+
+def test_rrelu_in_training_is_refused_with_the_users_line(tmp_path):
+    """Without training ``rrelu_with_noise`` is a leaky ReLU (``tests/models/layer_ops.py``); in
+    training it draws each slope into its noise tensor in place: one line naming the op and the
+    user's line, and what to write instead."""
+    from sbpc.errors import ModelError
+
+    (tmp_path / "model.py").write_text(
+        "import torch\n\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lin, self.act = torch.nn.Linear(4, 4), torch.nn.RReLU()\n\n    def forward(self, x):\n"
+        "        return self.act(self.lin(x)).sum()\n\ndef build_model():\n    return M()\n\n"
+        "def example_batch(batch_size):\n    return (torch.randn(batch_size, 4),)\n")
+    with pytest.raises(ModelError, match=r"F.rrelu in training .*aten.rrelu_with_noise.default.*training=False") as err:
+        capture(load_model(str(tmp_path / "model.py")), parse_mesh("1"), 4, OptimizerConfig())
+    assert err.value.location.endswith("model.py:9")

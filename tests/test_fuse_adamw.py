@@ -127,3 +127,16 @@ def test_every_list_reaches_the_kernel_with_its_parameters_strides():
     m, v = torch.zeros(1, 4), torch.zeros(4, 1).t()
     out = _fused_adamw(kernel, [p], [grad], [m], [v], [], [torch.tensor(1.0)], lr=1e-3)
     assert seen == [[[(4, 1)]] * 4] and out[0] is p and out[2] is v and torch.equal(p, torch.ones(1, 4))
+
+
+def test_a_zero_dim_parameter_is_fused_with_the_others():
+    """A 0-d parameter's update casts its float64 scalars to its dtype (optim._as_param_scalar:
+    0-d f32 times 0-d f64 is f64 in torch); fuse-adamw reads through the casts, so the whole
+    update is still one kernel call, eager's fused AdamW bit for bit."""
+    source, optimizer = load_model("tests/models/weight_norms.py"), OptimizerConfig()
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=optimizer).plan
+    assert any(p.shape == [] for p in plan.params)  # weight_norm(dim=None)'s magnitude
+    assert _update_ops(plan) == ["aten.add_.Tensor", FUSED_ADAMW]
+    report = run_check(plan, source, Runner(plan, make_backend("cpu"), seed=0), optimizer, steps=2, seed=0,
+                       tolerance=TOL)
+    assert report.passed and max(r.update.value for r in report.rows) == 0.0, report.table()

@@ -182,6 +182,18 @@ def test_nan_round_trips():
     assert print_graph(parse_graph(text)) == text
 
 
+def test_complex_numbers_round_trip_bit_exactly():
+    """A complex scalar (autograd's ``grad * 1j`` in ``torch.polar``'s backward) as ``complex(re, im)``."""
+    zs = [1j, complex(-0.0, 2.5), complex(0.1, -1e-300), complex(math.inf, -math.inf)]
+    g = Graph("c", Mesh(()), nodes=[Node(["y"], "aten.mul.Scalar", (Ref("x"), zs[0]), {"v": zs}, [t(2)], Role.FORWARD)])
+    text = print_graph(g)
+    assert "aten.mul.Scalar(%x, complex(0.0, 1.0), v=[complex(0.0, 1.0), complex(-0.0, 2.5)," in text
+    node = parse_graph(text).nodes[0]
+    parts = lambda z: struct.pack("<dd", z.real, z.imag)
+    assert type(node.args[1]) is complex and [parts(z) for z in node.kwargs["v"]] == [parts(z) for z in zs]
+    assert print_graph(parse_graph(text)) == text
+
+
 def test_tuples_print_as_lists():
     g = Graph("tup", Mesh(()), nodes=[Node(["y"], "aten.view.default", (Ref("x"), (2, (3, 4))), {"k": ()},
                                            [t(2, 12)], Role.FORWARD)])

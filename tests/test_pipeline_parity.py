@@ -198,6 +198,44 @@ def test_a_batch_statistic_fed_back_into_each_sample_is_refused_by_name():
     _check("tests/models/batch_statistic.py", "--mesh", "1x1x2", "--microbatches", "1")
 
 
+@pytest.mark.parametrize("mesh,extra", [("2x1x2", []), ("1x1x4", []), ("2x2", []),
+                                        ("2x2", ["--config", "tests/models/weight_norms.toml"])])
+def test_weight_and_spectral_norm_parity(mesh, extra):
+    """Weight normalization (parametrized and hook-based, over dim 0, the last dim and the whole
+    tensor) and spectral normalization, whose power iteration writes its u and v buffers with
+    ``out=`` (capture refused ``aten.div.out``; a pipeline stage did not hold the u it only
+    writes; a pipeline's AdamW stepped the whole tensor's 0-d magnitude in float64)."""
+    _check("tests/models/weight_norms.py", "--mesh", mesh, *extra)
+
+
+def test_weight_norm_splits_with_its_weight_on_tp():
+    """Output channels split on tp (weight_norm's dim 0): ``_weight_norm_interface`` and its
+    backward run on each rank's channels, without gathering the weight."""
+    plan = compile_model(load_model("tests/models/weight_norms.py", {}), parse_mesh("1x2"), batch_size=4,
+                         optimizer=OptimizerConfig(), config=load_config("tests/models/weight_norms.toml")).plan
+    norms = [i for prog in plan.stages for i in prog.instructions if i.op.startswith("aten._weight_norm_interface")
+             and i.loc.module.startswith("pre")]
+    assert len(norms) == 2 and all(t.sbp == ["B", "S(0)"] for i in norms for t in i.types), norms
+
+
+@pytest.mark.parametrize("mesh", ["2x1x2", "1x1x4", "2x2"])
+def test_layer_ops_without_a_batch_split_before_parity(mesh):
+    """torch.polar on activations (a complex scalar in its backward), F.rrelu without training,
+    nn.Bilinear, diag_embed, pixel (un)shuffle and channel shuffle split with the batch and the
+    micro-batches (capture refused the first two; a pipeline refused the others)."""
+    _check("tests/models/layer_ops.py", "--mesh", mesh)
+
+
+def test_layer_ops_split_with_the_batch_on_dp_without_a_gather():
+    """On dp every op of ``layer_ops`` runs on its rank's rows: the forward moves no activation
+    (only cross-entropy's 0-d count of targets, as every dp plan of it)."""
+    plan = compile_model(load_model("tests/models/layer_ops.py", {}), parse_mesh("2x1"), batch_size=8,
+                         optimizer=OptimizerConfig()).plan
+    moved = [c for c in collectives(plan) if c.moves_data and c.nbytes > 4]
+    assert not [c for c in moved if c.role == "fwd"], moved
+    assert {c.kind for c in moved} == {"all_reduce"}, moved
+
+
 def test_losses_split_with_the_batch_on_dp_without_a_gather():
     """On dp the losses run on each rank's rows: the forward moves no data (it gathered the
     batch before their rules), the backward all-reduces the gradients and nothing else."""

@@ -35,3 +35,21 @@ def test_plan_json_round_trip(example, tmp_path):
 def test_raised_plan_is_the_lowered_ir(example):
     result = compile_example(example)[0]
     assert print_graph(raise_plan(result.plan)) == print_graph(result.graph)
+
+
+def test_complex_arguments_round_trip_through_the_plan_json():
+    """A complex scalar (``torch.polar``'s backward multiplies by 1j) is ``{"complex": [re, im]}``,
+    each part Python's repr: exact, inf and nan included."""
+    import math
+    import struct
+
+    from sbpc.compiler.lower import encode_arg
+    from sbpc.compiler.raise_plan import decode_arg
+    from sbpc.runtime.plan import Instruction
+
+    zs = [1j, complex(-0.0, 0.1), complex(math.inf, -1e-300)]
+    ins = Instruction(op="aten.mul.Scalar", args=[encode_arg(x) for x in [zs[0], zs]], role="fwd")
+    back = [decode_arg(a) for a in Instruction.model_validate_json(ins.model_dump_json()).args]
+    parts = lambda z: struct.pack("<dd", z.real, z.imag)
+    assert parts(back[0]) == parts(zs[0]) and [parts(z) for z in back[1]] == [parts(z) for z in zs]
+    assert json.loads(ins.model_dump_json())["args"][0] == {"complex": ["0.0", "1.0"]}

@@ -138,7 +138,7 @@ def _synthetic() -> list[Instance]:
         synth("aten.binary_cross_entropy_with_logits.default", x(8, 12), pos(8, 12) - 0.5, None, None, 2),
         synth("aten.binary_cross_entropy_with_logits.default", x(8, 12), pos(8, 12) - 0.5, pos(8, 1), None, 0),
         synth("aten.view_as_complex.default", x(4, 6, 2)), synth("aten.view_as_real.default", torch.complex(x(4, 6), x(4, 6))),
-        synth("aten._conj.default", torch.complex(x(4, 6), x(4, 6))),
+        synth("aten._conj.default", torch.complex(x(4, 6), x(4, 6))), synth("aten.polar.default", pos(4, 6), x(4, 6)),
         synth("aten.embedding.default", x(16, 8), ids(16, 8)),
         synth("aten.embedding_dense_backward.default", x(4, 8, 8), emb_ids, 16, 3, True),
         synth("aten.embedding_dense_backward.default", x(4, 8, 8), emb_ids, 16, 3, False),
@@ -247,6 +247,15 @@ def _traced() -> list[Instance]:
               (lambda a: a.unfold(2, 3, 2), x(4, 6, 7)), (lambda a: a.unfold(0, 2, 2), x(8, 6)),
               (lambda t: F.affine_grid(t, [4, 6, 3, 5], align_corners=False), x(4, 2, 3)),
               (lambda t: F.affine_grid(t, [4, 6, 2, 3, 5], align_corners=True), x(4, 3, 4))]
+    # nn.Bilinear (batch dims before the features too), diag_embed, pixel and channel shuffles
+    cases += [(F.bilinear, x(4, 5), x(4, 6), x(8, 5, 6), x(8)), (F.bilinear, x(2, 4, 5), x(2, 4, 6), x(8, 5, 6)),
+              (torch.diag_embed, x(4, 6)), (lambda a: torch.diag_embed(a, 1, 0, 2), x(4, 2, 6)),
+              (lambda a: F.pixel_shuffle(a, 2), x(4, 8, 3, 3)), (lambda a: F.pixel_unshuffle(a, 2), x(4, 6, 4, 4)),
+              (lambda a: F.channel_shuffle(a, 2), x(4, 6, 3, 3)),
+              (lambda a: torch.ops.aten.native_channel_shuffle(a.detach(), 3), x(4, 6, 3, 3))]
+    # weight normalization over dim 0 and the last dim; spectral normalization's vdot
+    cases += [(lambda v, w: torch._weight_norm(v, w, 0), x(6, 4, 3), x(6, 1, 1)),
+              (lambda v, w: torch._weight_norm(v, w, 2), x(6, 4, 4), x(1, 1, 4)), (torch.vdot, x(8), x(8))]
     return [i for j, (fn, *args) in enumerate(cases) for i in trace(fn, tuple(args), {}, f"traced {j}")]
 
 

@@ -11,7 +11,10 @@ keeps a parameter's update. What is rewritten:
   ``_native_batch_norm_legit_functional`` with the same arguments, whose last two results are
   the new running statistics (torch's own functional form, the same kernel);
 - an in-place op whose first argument is the buffer itself and that has an out-of-place
-  overload with the same arguments (``add_``, ``mul_``, ``copy_``, ``index_put_`` ...).
+  overload with the same arguments (``add_``, ``mul_``, ``copy_``, ``index_put_`` ...);
+- an ``out=`` op writing the whole buffer (spectral normalization's power iteration,
+  ``F.normalize(torch.mv(w, v), dim=0, out=u)``) -> its out-of-place overload, whose result,
+  of the buffer's type, is the new value.
 
 Anything else (a write through a view of a buffer, a parameter written in place) is left as
 it is and refused by ``capture._refuse_input_mutation`` with the user's line. Writes are
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.ir.aten import functional_variant, shares_storage
+from sbpc.compiler.ir.aten import functional_variant, out_functional, shares_storage
 from sbpc.compiler.ir.types import GraphInput, InputKind, Node, Ref, rename_uses
 from sbpc.errors import ModelError
 
@@ -77,6 +80,10 @@ def _rewrite(n: Node, latest: dict[str, str], type_of: dict) -> tuple[Node, list
         types = [*n.types, *(type_of[latest[a.name]] for a in running)]
         node = replace(n, op=BATCH_NORM_FUNCTIONAL, outputs=[*n.outputs, *stats], types=types)
         return node, [(latest[a.name], s) for a, s in zip(running, stats)]
+    out = n.kwargs.get("out")
+    if isinstance(out, Ref) and out.name in latest and out_functional(n.op) and n.types == [type_of[latest[out.name]]]:
+        kwargs = {k: v for k, v in n.kwargs.items() if k != "out"}
+        return replace(n, op=out_functional(n.op), kwargs=kwargs), [(latest[out.name], n.outputs[0])]
     target = n.args[0] if n.args else None
     functional = functional_variant(n.op)
     if not (isinstance(target, Ref) and target.name in latest and functional and len(n.outputs) <= 1):

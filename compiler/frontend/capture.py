@@ -33,6 +33,7 @@ from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type,
 from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
+from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
@@ -95,7 +96,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
         imported.nodes = _stage_hints(graph, imported.nodes, config)
     # buffer writes first: ``buf.mul_(m).add_(x)`` writes the buffer twice, the second time
     # through the alias mul_ returns, which functionalize would take for a private temporary
-    nodes, buffer_writes = functionalize_buffer_writes(imported.nodes, inputs)
+    nodes, buffer_writes = functionalize_buffer_writes(rrelu_as_leaky_relu(imported.nodes), inputs)
     read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
     nodes, renamed = functionalize(nodes, {i.value for i in inputs}, read_after)
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}

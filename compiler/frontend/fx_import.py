@@ -60,7 +60,7 @@ def convert_literal(a: Any) -> Any:
         return Sym("device")
     if isinstance(a, (torch.layout, torch.memory_format)):
         return Sym(str(a).removeprefix("torch."))
-    if a is None or isinstance(a, (bool, int, float, str)):
+    if a is None or isinstance(a, (bool, int, float, complex, str)):
         return a
     raise UnsupportedArg(f"{a!r} of type {type(a).__name__}")
 
@@ -75,7 +75,7 @@ def convert_arg(a: Any, names: dict[torch.fx.Node, str] | None) -> Any:
         return convert_literal(a)
     except UnsupportedArg as err:
         raise CaptureError(f"argument {err} cannot be put in a plan",
-                           hint="ops may take tensors, numbers, strings, dtypes and lists of them") from None
+                           hint="ops may take tensors, numbers (complex too), strings, dtypes and lists of them") from None
 
 
 @dataclass

@@ -61,15 +61,24 @@ def _adamw(cfg: OptimizerConfig):
         # product with it is torch's: 1 - lr * wd and lr / (1 - b1^t) in float64, and the
         # bias corrections in float64 too, as torch computes them in Python: 1 - 0.999**t
         # cancels badly in float32.
-        param = param * (1 - lr * cfg.weight_decay)
+        s = _as_param_scalar(param)
+        param = param * s(1 - lr * cfg.weight_decay)
         exp_avg = torch.lerp(exp_avg, grad, 1 - b1)
         exp_avg_sq = torch.addcmul(exp_avg_sq * b2, grad, grad, value=1 - b2)
         step_size = lr / (1 - torch.pow(b1, step))
-        denom = exp_avg_sq.sqrt() / torch.sqrt(1 - torch.pow(b2, step)) + cfg.eps
+        denom = exp_avg_sq.sqrt() / s(torch.sqrt(1 - torch.pow(b2, step))) + cfg.eps
         # (value * t1) / t2 + self: the order of torch's addcdiv kernel, so rounding matches.
-        return param + (-step_size * exp_avg) / denom, exp_avg, exp_avg_sq
+        return param + (s(-step_size) * exp_avg) / denom, exp_avg, exp_avg_sq
 
     return update
+
+
+def _as_param_scalar(param: torch.Tensor):
+    """What a float64 0-d scalar must be to meet ``param`` as torch.optim's Python float does.
+    A tensor of any rank converts it to its own dtype; a 0-d parameter would meet it as an
+    equal, and torch promotes 0-d f32 with 0-d f64 to f64 (a step a rounding away from
+    torch.optim's, e.g. weight_norm(dim=None)'s scalar g): the scalar is cast for those."""
+    return (lambda t: t.to(param.dtype)) if param.dim() == 0 else (lambda t: t)
 
 
 def _sgd(cfg: OptimizerConfig):
@@ -83,21 +92,22 @@ def _sgd(cfg: OptimizerConfig):
         d_p = torch.add(grad, param, alpha=cfg.weight_decay) if cfg.weight_decay else grad
         if cfg.momentum:
             d_p = state[0] * cfg.momentum + d_p  # torch starts buf at d_p; zeros*m + d_p is that
-        return (torch.addcmul(param, d_p, -lr), *((d_p,) if cfg.momentum else ()))
+        return (torch.addcmul(param, d_p, _as_param_scalar(param)(-lr)), *((d_p,) if cfg.momentum else ()))
 
     return update
 
 
 @lru_cache(maxsize=None)
-def _template(cfg: OptimizerConfig, dtype: str):
-    """The update traced once per optimizer and parameter dtype."""
+def _template(cfg: OptimizerConfig, dtype: str, zero_d: bool = False):
+    """The update traced once per optimizer and parameter dtype, and once more for 0-d
+    parameters (``_as_param_scalar``), whose template is their own: it names no shape to stamp."""
     update = _adamw(cfg) if cfg.kind == "adamw" else _sgd(cfg)
-    shape = _TEMPLATE_SHAPE
+    shape = () if zero_d else _TEMPLATE_SHAPE
     example = [torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype])) for _ in range(2 + len(cfg.state_names))]
     # the step counter and the learning rate: two tensors (one object twice would trace as one input)
     example += [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     tpl = import_fx(make_fx(lambda *a: update(*a))(*example).graph)
-    for n in tpl.nodes:  # stamping per parameter only rewrites types, so no op may name a shape
+    for n in tpl.nodes if not zero_d else ():  # stamping per parameter only rewrites types, so no op may name a shape
         if any(isinstance(a, list) and tuple(a) == shape for a in (*n.args, *n.kwargs.values())):
             raise CompileError(f"the {cfg.kind} update uses a shape literal ({n.op}); it cannot be stamped per parameter")
     return tpl
@@ -119,7 +129,7 @@ def append_optimizer(cfg: OptimizerConfig, params: list[tuple[str, str, TensorTy
     # parameters of a handful of types, and ~30,000 update ops
     stencils: dict[TensorType, list[tuple]] = {}
     for i, (fqn, value, ttype, grad, loc) in enumerate(params):
-        tpl = _template(cfg, ttype.dtype)
+        tpl = _template(cfg, ttype.dtype, ttype.shape == ())
         loc = SourceLoc(fqn.rpartition(".")[0], loc.file, loc.line) if loc else None
         states = [(f"{s}_{i}", str(StateName(s, fqn))) for s in cfg.state_names]
         for sval, sname in states:

@@ -73,6 +73,28 @@ def functional_variant(op: str) -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def out_functional(op: str) -> str | None:
+    """``aten.div.out`` -> ``aten.div.Tensor``: the out-of-place overload taking the same
+    arguments but the one ``out=`` tensor it writes (``F.normalize(..., out=buf)`` in spectral
+    normalization's power iteration). None for ops that write anything else."""
+    overload = torch_op(op)
+    if overload is None:
+        return None
+    written = [a for a in overload._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if [(a.name, a.kwarg_only) for a in written] != [("out", True)]:
+        return None
+    ns, packet, _ = op.split(".")
+    packet_ops = getattr(getattr(torch.ops, ns), packet)
+    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments if a.name != "out"]
+    args = signature(overload._schema)
+    for name in packet_ops.overloads():
+        candidate = getattr(packet_ops, name)
+        if not candidate._schema.is_mutable and signature(candidate._schema) == args:
+            return f"{ns}.{packet}.{name}"
+    return None
+
+
 def overwritten(n) -> list[str]:
     """The values an in-place op of the step writes over (the ``inplace`` pass makes them): its
     first argument, for a ``_foreach_*_`` op the first list, for torch's fused AdamW (the

@@ -200,6 +200,9 @@ class _Build(Transformer):
     def nan(self):
         return math.nan
 
+    def complex_(self, re, im):
+        return complex(re, im)
+
     def true(self):
         return True
 

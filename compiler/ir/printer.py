@@ -14,7 +14,8 @@ The format, one line per input, node and output (the grammar is ``ir_specs/ir.la
       output init %i0 "wte.weight"
     }
 
-Arguments are ints, floats (``repr``, or ``inf``/``-inf``/``nan``), ``True``/``False``/``None``,
+Arguments are ints, floats (``repr``, or ``inf``/``-inf``/``nan``), complex numbers
+(``complex(re, im)``, each part a float), ``True``/``False``/``None``,
 JSON strings, lists, ``%value`` refs, bare dtype names (``f32``) and ``#symbols``. A python
 tuple inside the arguments prints as a list and so parses back as a list: the IR builder
 only makes lists, and the text has one spelling per value. Strings use JSON escaping.
@@ -104,6 +105,8 @@ def format_arg(a: Any) -> str:
         if math.isinf(a):
             return "inf" if a > 0 else "-inf"
         return float.__repr__(a)  # shortest text that reads back bit-exactly
+    if isinstance(a, complex):
+        return f"complex({format_arg(a.real)}, {format_arg(a.imag)})"
     if isinstance(a, str):
         return json.dumps(a)
     if isinstance(a, (list, tuple)):
@@ -112,5 +115,5 @@ def format_arg(a: Any) -> str:
         return repr(a)
     raise IRError(
         f"cannot print argument {a!r} of type {type(a).__name__}",
-        hint="node arguments are int, float, bool, None, str, list, Ref, DType or Sym",
+        hint="node arguments are int, float, complex, bool, None, str, list, Ref, DType or Sym",
     )

@@ -97,6 +97,12 @@ class _Matcher:
     def lr(self, a) -> str | None:
         return a.name if isinstance(a, Ref) and self.kind.get(a.name) == InputKind.HYPER else None
 
+    def uncast(self, value) -> tuple:
+        """What ``value`` casts, and the cast's node, where a 0-d parameter's template casts a
+        scalar to the parameter's dtype (``optim._as_param_scalar``); else ``value`` itself."""
+        cast = self.node(value, "aten._to_copy.default")
+        return (cast[1].args[0], [cast[0]]) if cast else (value, [])
+
     def bias_power(self, value) -> tuple[float, str, list[int]] | None:
         """``1 - b ** t`` as ``rsub(pow(b, t), 1)``: (b, t, its two nodes)."""
         r = self.node(value, "aten.rsub.Scalar")
@@ -118,7 +124,8 @@ class _Matcher:
         if decay is None or q is None or decay[1].args[0] != Ref(p):
             return None
         # the decay factor 1 - lr * wd: rsub(mul(lr, wd), 1)
-        factor = self.node(decay[1].args[1], "aten.rsub.Scalar")
+        factor_value, casts = self.uncast(decay[1].args[1])
+        factor = self.node(factor_value, "aten.rsub.Scalar")
         lr_wd = self.node(factor[1].args[0], "aten.mul.Tensor") if factor and factor[1].args[1:] == (1,) else None
         if lr_wd is None or self.lr(lr_wd[1].args[0]) is None or self.number(lr_wd[1].args[1]) is None:
             return None
@@ -145,10 +152,12 @@ class _Matcher:
         if m is None or v is None or None in (b2_mul, lerp_w, sq_w):
             return None
         # the step size: neg(div(lr, 1 - b1 ** t)); the second moment's correction: sqrt(1 - b2 ** t)
-        neg = self.node(num[1].args[0], "aten.neg.default")
+        neg_value, neg_cast = self.uncast(num[1].args[0])
+        neg = self.node(neg_value, "aten.neg.default")
         step_lr = self.node(neg[1].args[0], "aten.div.Tensor") if neg else None
         bc1 = self.bias_power(step_lr[1].args[1]) if step_lr else None
-        sq_bc2 = self.node(scaled[1].args[1], "aten.sqrt.default")
+        sq_value, sq_cast = self.uncast(scaled[1].args[1])
+        sq_bc2 = self.node(sq_value, "aten.sqrt.default")
         bc2 = self.bias_power(sq_bc2[1].args[0]) if sq_bc2 else None
         lr = self.lr(step_lr[1].args[0]) if step_lr else None
         if bc1 is None or bc2 is None or lr is None or bc1[1] != bc2[1] or lr != self.lr(lr_wd[1].args[0]):
@@ -158,7 +167,7 @@ class _Matcher:
             return None
         m_new, v_new = m2[1].outputs[0], v2[1].outputs[0]
         own = frozenset({add[0], decay[0], q[0], num[0], den[0], scaled[0], root[0], v2[0], m2[0], vb[0]})
-        scalars = [factor[0], lr_wd[0], neg[0], step_lr[0], *bc1[2], sq_bc2[0], *bc2[2]]
+        scalars = [factor[0], lr_wd[0], neg[0], step_lr[0], *bc1[2], sq_bc2[0], *bc2[2], *casts, *neg_cast, *sq_cast]
         return (_Update(p, g.name, m, v, p_new, m_new, v_new, own), _Hyper(lr, b1, b2, wd, eps, bc1[1]), scalars)
 
 

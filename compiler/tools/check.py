@@ -247,7 +247,7 @@ class Eager:
         under autocast bf16's or fp16's), and of the loss, from a float64 copy of the model in the
         same state (without autocast); ({}, 0, why) where that copy cannot stand in."""
         try:
-            twin = copy.deepcopy(self.model).double()
+            twin = copy.deepcopy(self.model, _detached_attributes(self.model)).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
             with torch.no_grad():
                 for name, b in plan_buffers(twin):
@@ -324,6 +324,14 @@ def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Preci
 
 def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _detached_attributes(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """A deepcopy memo copying each tensor a module keeps as a plain attribute and computed with
+    autograd (the old ``nn.utils.weight_norm``'s and ``spectral_norm``'s ``weight``, which their
+    forward pre-hooks compute again) detached: deepcopy refuses tensors that are not graph leaves."""
+    return {id(t): t.detach().clone() for m in model.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.grad_fn is not None}
 
 
 def _to_double(x):

@@ -1,4 +1,6 @@
-"""Families of the convolution, pooling, upsampling and padding ops, and of diagonal.
+"""Families of the convolution, pooling, upsampling and padding ops, and of the other layers
+of neural networks: diagonal and diag_embed, nn.Bilinear, the normalizations (batch, group,
+RMS, weight), grid sampling and cdist.
 
 These ops mix a fixed number of trailing spatial dims (never split: a window or a resampling
 crosses block boundaries); the leading batch and channel dims split freely, and a
@@ -93,6 +95,32 @@ def diagonal(c, self, dim1, dim2):
     lets = letters(rank)
     out = [x for d, x in enumerate(lets) if d not in (d1, d2)] + [None]
     return Loops(ins={c.tensor(self): lets}, outs=[out], fixed={lets[d1], lets[d2]}), []
+
+
+@family("diag_embed")
+def diag_embed(c, self, dim1, dim2):
+    """``diag_embed``, the reverse of ``diagonal``: the input's last dim becomes the diagonal of
+    output dims ``dim1`` and ``dim2`` (neither splits); the other dims pass in order."""
+    rank = len(c.shape(c.tensor(self)))
+    d1, d2 = norm_dim(c.value(dim1), rank + 1), norm_dim(c.value(dim2), rank + 1)
+    lead = iter(letters(rank - 1))
+    out = [None if d in (d1, d2) else next(lead) for d in range(rank + 1)]
+    return Loops(ins={c.tensor(self): [*letters(rank - 1), None]}, outs=[out]), []
+
+
+@family("trilinear")
+def trilinear(c, i1, i2, i3, expand1, expand2, expand3, sumdim):
+    """``_trilinear`` (``nn.Bilinear``: ``x1 W x2``): each input is the whole loop nest with the
+    dims of its ``expand`` list left out (unsqueezed); the ``sumdim`` dims are summed and
+    dropped from the output. A split kept dim splits the output, a split summed dim gives
+    ``P``; so the batch splits everything, the output features split with the weight."""
+    rank = len(c.shape(c.tensor(i1))) + len(c.value(expand1))
+    lets = letters(rank)
+    ins = {c.tensor(t): [x for d, x in enumerate(lets) if d not in c.value(e)]
+           for t, e in ((i1, expand1), (i2, expand2), (i3, expand3))}
+    summed = set(c.value(sumdim))
+    out = [x for d, x in enumerate(lets) if d not in summed]
+    return Loops(ins=ins, outs=[out], reduce={lets[d]: "sum" for d in summed}), []
 
 
 def _norm_stat(c, i: int, lets: list, lead: int) -> list:
@@ -238,3 +266,25 @@ def affine_grid(c, theta, size):
     ``[N, k, k+1]``: the batch splits (the kernel told its local ``N``), nothing else."""
     lp = Loops(ins={c.tensor(theta): ["a", None, None]}, outs=[["a", *[None] * (len(c.out_shape(0)) - 1)]])
     return lp, []
+
+
+def _per_dim(c, dim, *tensors) -> dict:
+    """Each tensor's dims: ``dim`` (of the first tensor's rank) the letter ``a``, the others none."""
+    d = norm_dim(c.value(dim), len(c.shape(c.tensor(tensors[0]))))
+    return {c.tensor(t): ["a" if i == d else None for i in range(len(c.shape(c.tensor(t))))] for t in tensors}
+
+
+@family("weight_norm")
+def weight_norm(c, v, g, dim):
+    """``_weight_norm_interface``: ``w = v * g / |v|``, the norm over every dim of ``v`` but
+    ``dim`` (``g`` and the norms keep ``dim``, size 1 elsewhere): ``dim`` splits everything
+    together, no other dim (a norm is not the sum of the devices' norms)."""
+    ins = _per_dim(c, dim, v, g)
+    return Loops(ins=ins, outs=[ins[c.tensor(v)], ins[c.tensor(g)]]), []
+
+
+@family("weight_norm_backward")
+def weight_norm_backward(c, grad_w, v, g, norms, dim):
+    """Its backward, ``(grad_v, grad_g)``: the same, ``dim`` alone splits."""
+    ins = _per_dim(c, dim, grad_w, v, g, norms)
+    return Loops(ins=ins, outs=[ins[c.tensor(v)], ins[c.tensor(g)]]), []
