@@ -181,3 +181,30 @@ def test_pipeline_names_the_op_that_needs_the_whole_batch():
                       optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
     assert err.value.message.startswith("aten.unfold.default has no SBP rule"), err.value.message
     assert "tests/models/unruled_op.py:12" in str(err.value.location), err.value.location
+
+
+# ----- BEiT: Hugging Face keeps its relative position index in a process-wide lru_cache
+
+def test_beit_cache_keeps_no_traced_tensor():
+    """Capture traces with torch.compiler.is_compiling() true, as torch.export does, so Hugging
+    Face's ``compile_compatible_method_lru_cache`` computes BEiT's index afresh instead of keeping
+    the trace's fake tensor: eager in the same process (``sbpc check``'s reference) computes a
+    real loss, and a second capture traces the same graph (it found the first one's fake tensor,
+    a constant it cannot embed)."""
+    import torch
+    from sbpc.compiler.ir.printer import print_graph
+
+    source = load_model("tests/zoo/beit.py", {})
+    first = capture(source, parse_mesh("1"), BATCH, CHECK_OPT, None)
+    loss = source.build()(*source.batch(BATCH))
+    assert type(loss) is torch.Tensor and torch.isfinite(loss), type(loss)
+    assert print_graph(capture(source, parse_mesh("1"), BATCH, CHECK_OPT, None)) == print_graph(first)
+
+
+def test_beit_matches_eager_on_2x1x2():
+    plan = compile_model(load_model("tests/zoo/beit.py", {}), parse_mesh("2x1x2"), batch_size=BATCH,
+                         optimizer=CHECK_OPT, pipeline=PipelineOptions(microbatches=2)).plan
+    report = check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads")
+    value, where = report.worst
+    print(f"\nzoo beit on 2x1x2: largest deviation {value:.2e} ({where})")
+    assert report.passed, report.table()

@@ -272,7 +272,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # (fx's recompile, ~1 ms per 30 nodes) would go unread
         with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
-                _use_lazy_graph_module(True), TorchFramesFilter().active():
+                _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling():
             try:
                 gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
@@ -388,6 +388,22 @@ def _forward_location(model: torch.nn.Module) -> str | None:
         return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         return None
+
+
+@contextlib.contextmanager
+def _compiling():
+    """``torch.compiler.is_compiling()`` true while tracing, as under torch.export, whose tracer
+    is make_fx too: libraries then keep traced values out of their caches. Hugging Face's
+    ``compile_compatible_method_lru_cache`` (BEiT's relative position index) would otherwise
+    keep a fake tensor of this trace for every later call in the process: eager's (``sbpc
+    check``'s reference) and the next capture's. Not ``is_exporting()``, which torch.export
+    sets too: under it Hugging Face builds an attention mask even where none is needed."""
+    was = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = was
 
 
 @contextlib.contextmanager
