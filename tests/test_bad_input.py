@@ -190,6 +190,34 @@ CASES = [
          "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
     Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
          "cannot trace forward(): data-dependent control flow (at tests/models/data_dependent.py:11)"),
+    # a check of the labels in a library the model calls (Hugging Face's CTC heads): the line that
+    # reads the value is named, then the user's
+    Case("model-data-dependent-in-a-library", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         "cannot trace forward(): data-dependent control flow at {tmp}/heads.py:4 (at {tmp}/model.py:9)",
+         chain(write("heads.py", """
+             import torch
+
+             def loss(logits, labels):
+                 if labels.max() >= logits.shape[-1]:
+                     raise ValueError("label out of range")
+                 return torch.nn.functional.cross_entropy(logits, labels)
+             """), write("model.py", """
+             import torch
+             import heads
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.fc = torch.nn.Linear(4, 3)
+                 def forward(self, x, labels):
+                     return heads.loss(self.fc(x), labels)
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,))
+             """))),
     Case("model-value-dependent-shape", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
          ("cannot trace forward(): aten.nonzero.default makes a tensor whose shape depends on tensor values "
           "(at {tmp}/model.py:8)", "keep shapes static"),

@@ -17,6 +17,7 @@ import logging
 import operator
 import os
 import re
+import traceback
 from dataclasses import replace
 from unittest import mock
 
@@ -28,6 +29,8 @@ from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preser
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+import sbpc.compiler
+import sbpc.runtime
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
@@ -270,7 +273,10 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
         # a lazy GraphModule: nothing runs the traced module, and generating its Python code
         # (fx's recompile, ~1 ms per 30 nodes) would go unread
-        with _module_paths(model), fx_traceback.preserve_node_meta(), _without_onednn(), \
+        # the module paths inside preserve_node_meta: a failed trace leaves their annotations
+        # open (under is_compiling torch runs no always_call hook when forward raises), and
+        # _module_paths closes them before the node meta they edit is restored
+        with fx_traceback.preserve_node_meta(), _module_paths(model), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
                 _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling():
             try:
@@ -350,12 +356,25 @@ def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -
         hint = ("a mixture-of-experts layer (tokens grouped by expert): sbpc does not support MoE layers yet "
                 "(torch traces this op only in bf16, and its groups follow the routing's values)")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
+    branch = _reading_line(err) if data_dependent else None
+    if branch is not None and branch != user_location(err, source.path):  # a library's line (a check of the labels)
+        what += f" at {branch}"
     if isinstance(err, DynamicOutputShapeException):  # nonzero, masked_select, unique: a mixture of experts' routing
         what = f"{err.func} makes a tensor whose shape depends on tensor values"
         hint = ("a plan's shapes are fixed at compile time; keep shapes static (torch.where, a mask, "
                 "a fixed capacity) instead of selecting the elements")
     return CaptureError(f"cannot trace forward(): {what}" + (f" (in {op})" if op else ""),
                         location=user_location(err, source.path), hint=hint)
+
+
+def _reading_line(err: Exception) -> str | None:
+    """The line that read a tensor's value, as ``file:line``: the innermost frame of ``err``
+    outside torch and sbpc."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sbpc.compiler, sbpc.runtime))
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if not os.path.abspath(frame.filename).startswith(skip):
+            return f"{display_path(frame.filename)}:{frame.lineno}"
+    return None
 
 
 class _FailedFakeKernel(logging.Filter):
