@@ -208,3 +208,20 @@ def test_beit_matches_eager_on_2x1x2():
     value, where = report.worst
     print(f"\nzoo beit on 2x1x2: largest deviation {value:.2e} ({where})")
     assert report.passed, report.table()
+
+
+def test_pipeline_names_the_op_that_relates_rows_of_the_batch():
+    """Every op has a rule, but a contrastive loss's similarity pairs each micro-batch's rows with
+    every row of the batch: the error names that op and its line, not the value the solver chose
+    to gather upstream (the batch itself here; CLIP's last vision layer), and dp still runs it."""
+    from sbpc.errors import CompileError
+
+    with pytest.raises(CompileError) as err:
+        compile_model(load_model("tests/models/contrastive.py", {}), parse_mesh("1x1x2"), batch_size=4,
+                      optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten.mm.default reads the whole batch with one micro-batch's rows"), \
+        err.value.message
+    assert "tests/models/contrastive.py:14" in str(err.value.location), err.value.location
+    plan = compile_model(load_model("tests/models/contrastive.py", {}), parse_mesh("2"), batch_size=4,
+                         optimizer=CHECK_OPT).plan
+    assert check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads").passed

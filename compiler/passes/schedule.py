@@ -231,11 +231,13 @@ class _Cutter:
     def _whole_batch_error(self, nodes: list[Node], at: int) -> CompileError:
         """The error for a collective over micro-batches, naming the op that makes it needed: the
         solver may gather anywhere upstream of an op that must see the whole batch, so the first
-        op without an SBP rule among the whole-batch values downstream is the culprit."""
+        op among the whole-batch values downstream that has no SBP rule, or that reads them with
+        a micro-batch's values (CLIP's similarity of every text with every image), is the
+        culprit."""
         from sbpc.compiler.sbp.rules import RuleBook
 
         n = nodes[at]
-        rules, seen, culprit = RuleBook.load(), set(n.outputs), None
+        rules, seen, culprit, pairs = RuleBook.load(), set(n.outputs), None, None
         for j in range(at + 1, len(nodes)):
             m = nodes[j]
             if not any(u in seen for u in m.uses()):
@@ -243,8 +245,17 @@ class _Cutter:
             if m.op.startswith("aten.") and not rules.has_rule(m.op):
                 culprit = m
                 break
+            if any(u not in seen and self.per_mb(u) for u in m.uses()):
+                pairs = m
+                break
             seen.update(o for o in m.outputs if not self.per_mb(o))
         what = f"{n.args[0]} would be gathered over micro-batches ({n.op})"
+        if pairs is not None:
+            return CompileError(f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}",
+                                location=str(pairs.loc) if pairs.loc else None,
+                                hint="this op relates rows of the batch to each other (a contrastive loss), so a "
+                                     "pipeline cannot split it into micro-batches; use --microbatches 1 (dp still "
+                                     "splits the batch)")
         if culprit is None:
             return CompileError(f"{what}: an op reads the whole batch at once",
                                 location=str(n.loc) if n.loc else None,
