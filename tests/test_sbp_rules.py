@@ -242,6 +242,7 @@ def _traced() -> list[Instance]:
               (lambda a: F.grid_sample(a, grid2, mode="nearest", padding_mode="border", align_corners=False), x(4, 6, 5, 5)),
               (lambda a, b: F.grid_sample(a, b, align_corners=True), x(4, 6, 3, 3, 3), grid3.requires_grad_()),
               (torch.cdist, x(4, 6, 3), x(4, 2, 3)), (torch.cdist, x(6, 3), x(4, 3)),
+              (torch.cdist, x(2, 4, 6, 3), x(4, 2, 3)),  # broadcast batch dims: only the rows split
               (lambda a: F.fold(F.unfold(a, 2, stride=2), (4, 4), 2, stride=2), x(4, 6, 4, 4)),
               (lambda a: torch.bucketize(a, torch.linspace(-1, 1, 5)), x(4, 6)),
               (lambda a: a.unfold(2, 3, 2), x(4, 6, 7)), (lambda a: a.unfold(0, 2, 2), x(8, 6)),

@@ -230,29 +230,38 @@ def grid_sample_backward(c, grad_output, input, grid):
     return lp, []
 
 
-def _cdist_lead(c, x1, x2) -> list:
-    """The batch dims two cdist operands share (same shape): they split together."""
+def _cdist_lead(c, x1, x2) -> tuple[list, list]:
+    """The batch dims of two cdist operands: letters where both have the same batch shape (they
+    split together), else none (broadcast batch dims never split)."""
     s1, s2 = c.shape(c.tensor(x1)), c.shape(c.tensor(x2))
-    same = len(s1) == len(s2) and s1[:-2] == s2[:-2]
-    return letters(len(s1) - 2, start=3) if same else [None] * (len(s1) - 2)
+    if len(s1) == len(s2) and s1[:-2] == s2[:-2]:
+        lead = letters(len(s1) - 2, start=3)
+        return lead, lead
+    return [None] * (len(s1) - 2), [None] * (len(s2) - 2)
 
 
 @family("cdist")
 def cdist(c, x1, x2):
     """``_cdist_forward``: ``[*B, P, M]`` against ``[*B, R, M]`` gives ``[*B, P, R]``: the
     batch, the rows of either side (the other ``B``); the feature dim never (a p-norm)."""
-    lead = _cdist_lead(c, x1, x2)
-    lp = Loops(ins={c.tensor(x1): [*lead, "p", None], c.tensor(x2): [*lead, "r", None]}, outs=[[*lead, "p", "r"]])
+    l1, l2 = _cdist_lead(c, x1, x2)
+    out = [None] * (len(c.out_shape(0)) - 2) if l1 != l2 else l1
+    lp = Loops(ins={c.tensor(x1): [*l1, "p", None], c.tensor(x2): [*l2, "r", None]}, outs=[[*out, "p", "r"]])
     return lp, []
 
 
 @family("cdist_backward")
 def cdist_backward(c, grad, x1, x2, cdist):
-    """Its backward (``x1``'s gradient): rows of ``x1`` split with it, rows of ``x2`` sum -> ``P``."""
-    lead = _cdist_lead(c, x1, x2)
-    lp = Loops(ins={c.tensor(grad): [*lead, "p", "r"], c.tensor(x1): [*lead, "p", None],
-                    c.tensor(x2): [*lead, "r", None], c.tensor(cdist): [*lead, "p", "r"]},
-               outs=[[*lead, "p", None]], reduce={"r": "sum"})
+    """Its backward (``x1``'s gradient): rows of ``x1`` split with it, rows of ``x2`` sum -> ``P``.
+    With broadcast batch dims the gradient comes out in the broadcast shape: no batch letter."""
+    l1, l2 = _cdist_lead(c, x1, x2)
+    ranks = {len(c.shape(c.tensor(grad))), len(c.out_shape(0)), len(l1) + 2}
+    if l1 != l2 or len(ranks) > 1:
+        l1, l2 = [None] * (len(c.shape(c.tensor(x1))) - 2), [None] * (len(c.shape(c.tensor(x2))) - 2)
+    rows = lambda rank: [*l1, "p"] if rank == len(l1) + 2 else [None] * (rank - 2) + ["p"]
+    g, out = len(c.shape(c.tensor(grad))), len(c.out_shape(0))
+    lp = Loops(ins={c.tensor(grad): [*rows(g), "r"], c.tensor(x1): [*l1, "p", None], c.tensor(x2): [*l2, "r", None],
+                    c.tensor(cdist): [*rows(g), "r"]}, outs=[[*rows(out), None]], reduce={"r": "sum"})
     return lp, []
 
 
