@@ -212,6 +212,15 @@ def test_an_ill_conditioned_loss_is_judged_on_eagers_own_error_and_a_wrong_one_f
     _fails(report, "loss")
 
 
+def test_a_complex_tensor_is_compared_with_its_imaginary_part():
+    """``.double()`` of a complex tensor drops its imaginary part: a plan wrong only there passed."""
+    from sbpc.compiler.tools.check import deviation
+
+    plan, eager = torch.tensor([1 + 1j, 2 - 1j]), torch.tensor([1 + 2j, 2 - 1j])
+    assert deviation(plan, eager, 1.0) == 1.0
+    assert update_deviation(plan, eager, eager - 0.5j) == 2.0  # a step of 0.5, all in the imaginary part
+
+
 def test_update_deviation_is_relative_to_the_step():
     before = torch.ones(8)
     eager = before - 1e-3

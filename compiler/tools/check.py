@@ -168,7 +168,7 @@ def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
     """``max|a - b| / scale`` in float64 (inf for a shape mismatch; 0 when they are equal). On
     ``a``'s device: the plan's loss comes as a number (a CPU tensor of it) and eager's is on
     the GPU, which ``torch.equal`` (the nan test) refuses."""
-    a, b = a.detach().double(), b.detach().double().to(a.device)
+    a, b = wide(a), wide(b).to(a.device)
     if a.shape != b.shape:
         return float("inf")
     diff = float((a - b).abs().max()) if b.numel() else 0.0
@@ -179,7 +179,13 @@ def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
 
 
 def amax(t: torch.Tensor) -> float:
-    return float(t.detach().double().abs().max()) if t.numel() else 0.0
+    return float(wide(t).abs().max()) if t.numel() else 0.0
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in double precision for comparing: complex128 for a complex tensor (``.double()``
+    would drop its imaginary part, and a wrong one would pass unseen)."""
+    return t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
 
 
 def grad_deviations(plan: dict[str, torch.Tensor], eager: dict[str, torch.Tensor],
@@ -201,7 +207,7 @@ def update_deviation(plan: torch.Tensor, eager: torch.Tensor, before: torch.Tens
 
 
 def update_scale(eager: torch.Tensor, before: torch.Tensor) -> float:
-    step = amax(eager.double() - before.double())
+    step = amax(wide(eager) - wide(before))
     return max(step, torch.finfo(eager.dtype).eps * amax(eager), 1e-30)
 
 
