@@ -61,16 +61,7 @@ def functional_variant(op: str) -> str | None:
     ns, packet, _ = op.split(".")
     if not packet.endswith("_") or packet.startswith("_"):
         return None
-    functional = getattr(getattr(torch.ops, ns), packet[:-1], None)
-    if functional is None:
-        return None
-    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments]
-    args = signature(overload._schema)
-    for name in functional.overloads():
-        candidate = getattr(functional, name)
-        if not candidate._schema.is_mutable and signature(candidate._schema) == args:
-            return f"{ns}.{packet[:-1]}.{name}"
-    return None
+    return _pure_overload(ns, packet[:-1], overload, skip=())
 
 
 @lru_cache(maxsize=None)
@@ -85,11 +76,19 @@ def out_functional(op: str) -> str | None:
     if [(a.name, a.kwarg_only) for a in written] != [("out", True)]:
         return None
     ns, packet, _ = op.split(".")
-    packet_ops = getattr(getattr(torch.ops, ns), packet)
-    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments if a.name != "out"]
+    return _pure_overload(ns, packet, overload, skip=("out",))
+
+
+def _pure_overload(ns: str, packet: str, overload, skip: tuple[str, ...]) -> str | None:
+    """The overload of ``ns.packet`` that mutates nothing and takes ``overload``'s arguments
+    (those named in ``skip`` left out), as ``"ns.packet.name"``; None if there is none."""
+    ops = getattr(getattr(torch.ops, ns), packet, None)
+    if ops is None:
+        return None
+    signature = lambda schema: [(a.name, str(a.type)) for a in schema.arguments if a.name not in skip]
     args = signature(overload._schema)
-    for name in packet_ops.overloads():
-        candidate = getattr(packet_ops, name)
+    for name in ops.overloads():
+        candidate = getattr(ops, name)
         if not candidate._schema.is_mutable and signature(candidate._schema) == args:
             return f"{ns}.{packet}.{name}"
     return None
