@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import compile_example, drop_collective, input_gradient_all_reduce, sbpc
-from sbpc.compiler.tools.check import check_on_ranks, grad_deviations, run_check, update_deviation
+from sbpc.compiler.tools.check import check_on_ranks, run_check
+from sbpc.compiler.tools.deviation import grad_deviations, update_deviation
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.plan import RefArg
@@ -214,7 +215,7 @@ def test_an_ill_conditioned_loss_is_judged_on_eagers_own_error_and_a_wrong_one_f
 
 def test_a_complex_tensor_is_compared_with_its_imaginary_part():
     """``.double()`` of a complex tensor drops its imaginary part: a plan wrong only there passed."""
-    from sbpc.compiler.tools.check import deviation
+    from sbpc.compiler.tools.deviation import deviation
 
     plan, eager = torch.tensor([1 + 1j, 2 - 1j]), torch.tensor([1 + 2j, 2 - 1j])
     assert deviation(plan, eager, 1.0) == 1.0

@@ -175,7 +175,6 @@ class _Cutter:
         role = [n.role for n in nodes]
         ancestors_bwd = self._reaches_backward(nodes)
         readers = users(nodes)
-        cause: dict[int, int] = {}  # a late sum over the micro-batches that made an op once a step
         for i, n in enumerate(nodes):
             if not self._is_mb_reduce(n):
                 continue
@@ -190,40 +189,22 @@ class _Cutter:
                 role[i] = Role.FORWARD
             else:
                 role[i] = Role.OPTIMIZER
-                cause[i] = i
         # everything after a once-a-step value that is not per micro-batch runs once a step
         for i, n in enumerate(nodes):
-            late = [self.producer[u] for u in n.uses() if u in self.producer and role[self.producer[u]] == Role.OPTIMIZER]
-            if n.role == Role.OPTIMIZER or late:
+            if n.role == Role.OPTIMIZER or any(role[self.producer[u]] == Role.OPTIMIZER
+                                               for u in n.uses() if u in self.producer):
                 if role[i] != Role.FORWARD or not self._is_mb_reduce(n):
                     role[i] = Role.OPTIMIZER
-                    if n.role != Role.OPTIMIZER and i not in cause:
-                        cause[i] = next((cause[p] for p in late if p in cause), i)
         out = []
         for i, n in enumerate(nodes):
             if role[i] == Role.OPTIMIZER and any(self.per_mb(o) for o in n.outputs):
-                raise self._gradient_of_a_batch_value_error(nodes, n, nodes[cause.get(i, i)])
+                raise _gradient_of_a_batch_value_error(n)
             n = replace(n, role=role[i])
             if self._is_mb_reduce(n):
                 n = replace(n, op=ACCUMULATE, kwargs={"reduce": n.kwargs.get("reduce", "sum")},
                             stage=nodes[self.producer[n.args[0].name]].stage if n.args[0].name in self.producer else n.stage)
             out.append(n)
         return _stable_phase_sort(out)
-
-    def _gradient_of_a_batch_value_error(self, nodes: list[Node], n: Node, reduce: Node) -> CompileError:
-        """A micro-batch's op that must wait for a sum over every micro-batch made after the
-        forward: the gradient of a statistic of the whole batch (a mean over the batch dim added
-        back into each sample), which every micro-batch's backward needs before it can go on.
-        Named at the op (a backward op carries its forward op's line: the statistic's), else at
-        the sum's own source."""
-        x = reduce.args[0].name if self._is_mb_reduce(reduce) and reduce.args else None
-        source = self.producer.get(x) if x else None
-        at = n.loc or (nodes[source].loc if source is not None else None) or reduce.loc
-        return CompileError(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), so no "
-                            "micro-batch can finish before all have: a pipeline cannot split this step",
-                            location=str(at) if at else None,
-                            hint="a statistic over the batch dim (a mean or max over samples) whose gradient flows back "
-                                 "into each sample: compute it per sample, or run with --microbatches 1")
 
     def _is_mb_reduce(self, n: Node) -> bool:
         return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH
@@ -478,3 +459,15 @@ def _stable_phase_sort(nodes: list[Node]) -> list[Node]:
 
 def _rename(n: Node, renames: dict[str, str]) -> Node:
     return rename_uses(n, lambda u: renames.get(u, u))
+
+
+def _gradient_of_a_batch_value_error(n: Node) -> CompileError:
+    """A micro-batch's op that must wait for a sum over every micro-batch made after the forward:
+    the gradient of a statistic of the whole batch (a mean over the batch dim added back into
+    each sample), which every micro-batch's backward needs before it can go on. Named at the op:
+    a backward op carries its forward op's line, the statistic's."""
+    return CompileError(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), so no "
+                        "micro-batch can finish before all have: a pipeline cannot split this step",
+                        location=str(n.loc) if n.loc else None,
+                        hint="a statistic over the batch dim (a mean or max over samples) whose gradient flows back "
+                             "into each sample: compute it per sample, or run with --microbatches 1")
