@@ -7,7 +7,7 @@ import torch
 
 from conftest import compile_example, drop_collective, input_gradient_all_reduce, sbpc
 from sbpc.compiler.tools.check import check_on_ranks, run_check
-from sbpc.compiler.tools.deviation import grad_deviations, update_deviation
+from sbpc.compiler.tools.deviation import NOISE_RESOLUTION, deviation, grad_deviations, low_precision_noise, update_deviation
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.runtime.backend import make_backend
 from sbpc.runtime.plan import RefArg
@@ -169,6 +169,22 @@ def test_gradient_deviation_allows_eagers_own_float32_error_and_no_more():
     assert grad_deviations({"w": g, "small": small + 10 * n}, eager, noise)["small"] < TOL
     assert grad_deviations({"w": g, "small": small + 100 * n}, eager, noise)["small"] > TOL
     assert grad_deviations({"w": g * (1 + 1e-4), "small": small}, eager, noise)["w"] > TOL
+
+
+def test_a_low_precision_loss_is_judged_at_least_on_the_dtypes_resolution():
+    """Under bf16 a loss whose eager error happened to be tiny (or unmeasured) is judged on
+    LOW_NOISE_FLOOR u of itself: 1e-3 of it (u/4, the reassociation of a correct plan is about
+    u/40) passes, 1e-2 (2.6 u) fails; float32 keeps the measured noise alone."""
+    loss, eager = torch.tensor(1.0), 1.0
+
+    def dev(diff, dtype):
+        n = low_precision_noise(1e-9, eager, dtype)
+        return deviation(loss + diff, torch.tensor(eager), max(eager, n / NOISE_RESOLUTION))
+
+    assert dev(1e-3, torch.bfloat16) < TOL < dev(1e-2, torch.bfloat16)
+    assert dev(1e-4, torch.float16) < TOL < dev(2e-3, torch.float16)
+    assert low_precision_noise(1e-9, eager, torch.float32) == 1e-9
+    assert dev(1e-4, torch.float32) > TOL
 
 
 def test_ill_conditioned_gradients_pass_on_a_correct_plan_and_a_wrong_one_fails():

@@ -41,11 +41,11 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
 from sbpc.runtime.kinds import Precision
 from sbpc.runtime.plan import Plan, PrecisionSpec
-from sbpc.runtime.precision import LOSS_SCALE, autocast
+from sbpc.runtime.precision import COMPUTE_DTYPE, LOSS_SCALE, autocast
 from sbpc.compiler.tools.check_amp import LossScaler
 from sbpc.compiler.tools.check_dropout import plan_dropout
-from sbpc.compiler.tools.deviation import (NOISE_RESOLUTION, amax, deviation, grad_deviations, update_deviation,
-                                           update_scale)
+from sbpc.compiler.tools.deviation import (NOISE_RESOLUTION, amax, deviation, grad_deviations, low_precision_noise,
+                                           update_deviation, update_scale)
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
 
 # The float64 run stands for exact arithmetic only while it computes the same function: a loss
@@ -337,6 +337,9 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         finite = _finite(refs.values())
         noise, loss_noise, why = eager.rounding_noise(batch, step_seed(seed, step), loss) if finite else ({}, 0.0, None)
+        low = COMPUTE_DTYPE[plan.precision.compute]  # a low-precision draw of rounding may be unluckily small
+        noise = {name: low_precision_noise(noise.get(name, 0.0), amax(g), low) for name, g in refs.items()}
+        loss_noise = low_precision_noise(loss_noise, abs(float(loss)), low)
         # the loss too is judged on eager's own error where that is above its size: under
         # autocast (a tp split reassociates the low-precision logits), and in float32 a loss
         # that is the small residue of large terms (a KL divergence of close distributions)

@@ -2,10 +2,12 @@
 of a scale; the check passes when the largest over steps and tensors is within the tolerance.
 
   loss      |plan - eager| / max(|eager|, n_loss / NOISE_RESOLUTION), n_loss = |eager - eager in
-            float64|, eager's own error of the loss (float32's, or under autocast bf16's/fp16's)
+            float64|, eager's own error of the loss (float32's, or under autocast bf16's/fp16's,
+            there at least LOW_NOISE_FLOOR u |eager|)
   gradient  max|plan - eager| / max(max|eager|, GRAD_FLOOR * G, n / NOISE_RESOLUTION), G = the
             step's largest eager gradient entry over all parameters, n = max|eager - eager in
-            float64|, eager's own float32 error of the tensor
+            float64|, eager's own float32 error of the tensor (under autocast bf16's/fp16's, at
+            least LOW_NOISE_FLOOR u max|eager|)
   update    parameter: max|plan - torch| / max(max|torch - p_t|, eps(dtype) * max|torch|),
             the size of torch's step (floored at the parameter's own resolution);
             optimizer state: max|plan - torch| / max|torch|
@@ -29,6 +31,14 @@ GRAD_FLOOR = 1e-3
 # n of 1e-7 to 7e-7 of its size (measured on the zoo), so this term is at most about twice its
 # own scale; an ill-conditioned one carries up to 1e-3 of it.
 NOISE_RESOLUTION = 3e-7
+# Under autocast, eager's own error of a value is one draw of bf16's or fp16's rounding, and a
+# draw can come out far below its usual size: a bf16 loss of 1.26 came within 5.9e-7 of float64
+# (u/8000) at one step and 7.3e-4 (u/8) at the next, and a correct 2x1x2 plan 1.2e-4 away failed
+# on the first. So the noise of a low-precision value is at least LOW_NOISE_FLOOR u of its size
+# (u: the dtype's unit roundoff): at the default tolerance it may differ from eager by about u/2
+# of its size. A gradient's measured n is 1 to 2 u of its scale (docs/check.md): the floor binds
+# only on such an unlucky draw, or where no float64 twin measured anything.
+LOW_NOISE_FLOOR = 1 / 64
 
 
 def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
@@ -43,6 +53,15 @@ def deviation(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
         return 0.0 if bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))) \
             else float("inf")
     return diff / scale if diff else 0.0
+
+
+def low_precision_noise(measured: float, size: float, dtype: torch.dtype) -> float:
+    """Eager's own error of a value of ``size`` computed under autocast in ``dtype`` (``measured``
+    by the float64 twin, 0 where none ran), floored at LOW_NOISE_FLOOR u of its size; in float32,
+    ``measured`` as it is."""
+    if dtype == torch.float32:
+        return measured
+    return max(measured, LOW_NOISE_FLOOR * torch.finfo(dtype).eps / 2 * size)
 
 
 def amax(t: torch.Tensor) -> float:
