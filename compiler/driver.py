@@ -158,7 +158,8 @@ def compile_captured(graph: Graph, source: ModelSource, *, batch_size: int, opti
             memory = _least_recompute(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
         graph = _priced_run(graph, passes, ctx, pipeline, memory, optimizer.clip_grad)
         timings = {"passes": time.perf_counter() - t0}
-        model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size)
+        model = ModelRef(path=source.path, sets=source.sets, batch_size=batch_size,
+                         batch_keys=list(source.batch_keys(batch_size)))
         plan = lower(graph, model, optimizer, ctx.estimates, precision_spec(memory.precision))
     timings["total"] = time.perf_counter() - t0
     return CompileResult(plan=plan, graph=graph, timings=timings)

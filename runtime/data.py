@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from sbpc.errors import DataError, ModelError, UsageError
-from sbpc.runtime.model_file import import_model_file
+from sbpc.runtime.model_file import batch_tuple, import_model_file
 from sbpc.runtime.plan import Plan
 from sbpc.runtime.runner import BatchSource, LocalBatch
 
@@ -318,6 +318,7 @@ class ModelBatches:
         self.it: Iterator = self.make()
         self.drawn = 0
         self.where = plan.model.path
+        self.keys = tuple(plan.model.batch_keys)
 
     def next(self) -> Batch:
         try:
@@ -327,7 +328,13 @@ class ModelBatches:
                              hint="make batches() loop over its data for as many steps as asked (e.g. itertools.cycle)"
                              ) from err
         self.drawn += 1
-        return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        if isinstance(batch, Mapping) and self.keys:  # by forward()'s names, in example_batch's order
+            missing = [k for k in self.keys if k not in batch]
+            if missing:
+                raise ModelError(f"batches() of {self.where} gave a batch without {', '.join(map(repr, missing))}",
+                                 hint=f"yield the keys example_batch() returns: {', '.join(self.keys)}")
+            return tuple(batch[k] for k in self.keys)
+        return batch_tuple(batch)[0]
 
     def state(self) -> LoaderState:
         return LoaderState(index=self.drawn)
@@ -407,8 +414,7 @@ def _example(module, plan: Plan) -> tuple[torch.Tensor, ...] | None:
         return None
     with torch.random.fork_rng():  # the caller's random stream stays as it was
         torch.manual_seed(0)
-        batch = fn(plan.model.batch_size, **plan.model.sets)
-    return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        return batch_tuple(fn(plan.model.batch_size, **plan.model.sets))[0]
 
 
 def tokens_per_step(plan: Plan) -> int:

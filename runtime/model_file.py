@@ -5,7 +5,9 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
 
 def model_name(path: str) -> str:
@@ -28,3 +30,32 @@ def import_model_file(path: str, prefix: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     spec.loader.exec_module(module)
     return module
+
+
+def batch_tuple(batch: Any) -> tuple[Any, tuple[str, ...]]:
+    """``example_batch``'s value as the plan's positional batch inputs, and the keyword names
+    ``forward`` takes them by: a tensor is a batch of one, a tuple or list is positional (no
+    names), a mapping (a dict, Hugging Face's ``BatchEncoding``) is ``forward(**batch)`` in its
+    key order. Anything else comes back as it is, for the caller to refuse."""
+    if isinstance(batch, Mapping):
+        return tuple(batch.values()), tuple(batch.keys())
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), ()
+    return ((batch,), ()) if hasattr(batch, "shape") else (batch, ())
+
+
+def call_forward(model, batch: tuple, keys: tuple[str, ...] | list[str] = ()):
+    """``model(*batch)``, or ``model(**dict(zip(keys, batch)))`` for a batch given by keyword."""
+    return model(**dict(zip(keys, batch))) if keys else model(*batch)
+
+
+def loss_of(output: Any) -> Any:
+    """The loss among ``forward``'s results: the value itself, a mapping's ``"loss"`` (Hugging
+    Face's ``ModelOutput``, which has the key only when the loss was computed), or the first of a
+    tuple or list (Hugging Face's ``return_dict=False``: ``(loss, logits, ...)``). What is not
+    one of these comes back as it is, for the caller to refuse."""
+    if isinstance(output, Mapping):
+        return output.get("loss", output)
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output

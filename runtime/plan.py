@@ -178,6 +178,9 @@ class ModelRef(_Model):
     path: str
     sets: dict[str, Union[bool, int, float, str, None, list]] = Field(default_factory=dict)
     batch_size: int
+    # the keyword names forward() takes the batch inputs by (example_batch returned a mapping);
+    # empty: positional (runtime/model_file.batch_tuple)
+    batch_keys: list[str] = Field(default_factory=list)
 
 
 class OptimizerSpec(_Model):

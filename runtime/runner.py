@@ -25,7 +25,7 @@ from sbpc.errors import ModelError, RuntimeFailure
 from sbpc.runtime.backend import Backend
 from sbpc.runtime.executor import Program
 from sbpc.runtime.kinds import MemoryKind
-from sbpc.runtime.model_file import import_model_file
+from sbpc.runtime.model_file import batch_tuple, import_model_file
 from sbpc.runtime.overlap import check_plan as check_issue_order
 from sbpc.runtime.plan import GRAD_NORM, LR, Plan, TensorSpec
 from sbpc.runtime.rng import draws, replay
@@ -351,8 +351,7 @@ class BatchSource:
 
     def __call__(self, step: int) -> tuple[torch.Tensor, ...]:
         torch.manual_seed(batch_seed(self.seed, step))
-        batch = self.fn(self.plan.model.batch_size, **self.plan.model.sets)
-        return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        return batch_tuple(self.fn(self.plan.model.batch_size, **self.plan.model.sets))[0]
 
 
 def make_runner(plan: Plan, backend: Backend, **kw) -> Runner:

@@ -155,7 +155,7 @@ CASES = [
                  return (torch.randn(batch_size, 4),)
              """)),
     Case("model-batch-not-tensors", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         "example_batch() in {tmp}/model.py must return a tensor or a tuple of tensors, got str",
+         "example_batch() in {tmp}/model.py must return a tensor, a tuple of tensors or a dict of them, got str",
          write("model.py", """
              import torch
 
@@ -164,6 +164,36 @@ CASES = [
 
              def example_batch(batch_size):
                  return "tokens"
+             """)),
+    Case("model-batch-dict-not-tensor", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         "example_batch() in {tmp}/model.py returned bool as 'use_cache'; every batch input must be a tensor",
+         write("model.py", """
+             import torch
+
+             def build_model():
+                 return torch.nn.Linear(4, 1)
+
+             def example_batch(batch_size):
+                 return {"input": torch.randn(batch_size, 4), "use_cache": False}
+             """)),
+    # a Hugging Face model given no labels: its output has no loss
+    Case("model-output-without-loss", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("forward() must return the scalar loss, but returned Out without a loss (keys: logits)", "model.py:7"),
+         write("model.py", """
+             import torch
+
+             class Out(dict):
+                 pass
+
+             class Net(torch.nn.Linear):
+                 def forward(self, x):
+                     return Out(logits=super().forward(x))
+
+             def build_model():
+                 return Net(4, 2)
+
+             def example_batch(batch_size):
+                 return {"x": torch.randn(batch_size, 4)}
              """)),
     Case("model-batch-unsupported-dtype", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
          "tensors of dtype torch.uint16 are not supported yet",

@@ -143,3 +143,19 @@ def test_rrelu_in_training_is_refused_with_the_users_line(tmp_path):
     with pytest.raises(ModelError, match=r"F.rrelu in training .*aten.rrelu_with_noise.default.*training=False") as err:
         capture(load_model(str(tmp_path / "model.py")), parse_mesh("1"), 4, OptimizerConfig())
     assert err.value.location.endswith("model.py:9")
+
+
+@pytest.mark.parametrize("mesh", ["2x1", "2x1x2"])
+def test_a_dict_batch_binds_by_name_and_a_tuple_output_gives_its_loss(mesh):
+    """example_batch returns a dict out of forward()'s order and forward returns (loss, logits):
+    the plan records the names (ModelRef.batch_keys), and eager, called as forward(**batch),
+    agrees with it on dp and a pipeline. The dict's order is the plan's batch order."""
+    from conftest import sbpc_check
+    from sbpc.compiler.driver import compile_model
+
+    plan = compile_model(load_model("tests/models/keyword_batch.py"), parse_mesh(mesh), batch_size=4,
+                         optimizer=OptimizerConfig()).plan
+    assert plan.model.batch_keys == ["sample_weight", "labels", "features"]
+    assert [b.shape for b in plan.batch] == [[4], [4], [4, 8]]
+    r = sbpc_check("tests/models/keyword_batch.py", "--mesh", mesh)
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr

@@ -15,6 +15,7 @@ from conftest import MODELS
 from sbpc.errors import DataError, UsageError
 from sbpc.runtime.data import LmLayout, LmLoader, LoaderState, Tokens, check_data, DataOptions, open_tokens, plan_vocab
 from sbpc.runtime.lr_schedule import DecayStyle, LrSchedule
+from sbpc.runtime.plan import ModelRef
 
 TINY = str(MODELS / "tiny_lm.py")
 B, SEQ, HIDDEN, VOCAB = 8, 8, 16, 256
@@ -274,13 +275,33 @@ def test_a_model_files_batches_resume_by_drawing_again():
         while True:
             yield torch.randint(0, 9, (batch_size, 3), generator=gen) * scale, torch.zeros(batch_size)
 
-    plan = SimpleNamespace(model=SimpleNamespace(batch_size=2, sets={"scale": 10}, path="m.py"))
+    plan = SimpleNamespace(model=ModelRef(batch_size=2, sets={"scale": 10}, path="m.py"))
     first = ModelBatches(batches, "data", plan, seed=5)
     whole = [first.next() for _ in range(5)]
     assert int(whole[0][0].max()) % 10 == 0  # the --set values reach batches()
     again = ModelBatches(batches, "data", plan, seed=5)
     again.restore(LoaderState(index=3))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[3:], [again.next(), again.next()]))
+
+
+def test_a_model_files_dict_batches_are_taken_by_the_plans_keyword_names():
+    """batches() may yield dicts in any order: they reach the plan in example_batch's order
+    (plan.model.batch_keys); a batch without one of the names is a clear error."""
+    from types import SimpleNamespace
+
+    from sbpc.errors import ModelError
+    from sbpc.runtime.data import ModelBatches
+
+    def batches(path, batch_size, seed):
+        yield {"labels": torch.ones(batch_size), "input_ids": torch.zeros(batch_size, 3)}
+        yield {"input_ids": torch.zeros(batch_size, 3)}
+
+    plan = SimpleNamespace(model=ModelRef(batch_size=2, path="m.py", batch_keys=["input_ids", "labels"]))
+    loader = ModelBatches(batches, "data", plan, seed=0)
+    ids, labels = loader.next()
+    assert ids.shape == (2, 3) and torch.equal(labels, torch.ones(2))
+    with pytest.raises(ModelError, match="gave a batch without 'labels'"):
+        loader.next()
 
 
 def test_the_launcher_turns_rank_zeros_progress_lines_into_its_bar():

@@ -2,14 +2,13 @@
 compiled with no config file (the cost model chooses every layout) and checked against eager
 PyTorch on every acceptance mesh. Each check prints its largest deviation.
 
-Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window), GPT-J, OPT, BERT (masked
-LM; and fine-tuned for token classification on padded rows, its pooler unused), T5
-(encoder-decoder; its decoder input is filled in place), Bloom (ALiBi), a decoder made of
-PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent model of ``nn.LSTM`` and ``nn.GRU``, and
-the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read from a tensor
-while building) and Swin (shifted windows; an ``as_strided`` pooler).
-Llama also runs with its
-shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
+Models: Hugging Face GPT-2, Llama (GQA), Mistral (GQA, sliding window; unwrapped: a dict batch, its
+ModelOutput's loss), GPT-J, OPT, BERT (masked LM; and fine-tuned for token classification on padded
+rows, its pooler unused), T5 (encoder-decoder; its decoder input is filled in place), Bloom (ALiBi),
+a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent model of ``nn.LSTM`` and
+``nn.GRU``, and the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read
+from a tensor while building) and Swin (shifted windows; an ``as_strided`` pooler). Llama also runs
+with its shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
 """
 from __future__ import annotations
 

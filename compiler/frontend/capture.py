@@ -18,6 +18,7 @@ import operator
 import os
 import re
 import traceback
+from collections.abc import Mapping
 from dataclasses import replace
 from unittest import mock
 
@@ -51,7 +52,7 @@ from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
 from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
 from sbpc.runtime.kinds import Precision
-from sbpc.runtime.model_file import model_name
+from sbpc.runtime.model_file import loss_of, model_name
 from sbpc.runtime.plan import PrecisionSpec
 from sbpc.runtime.precision import autocast
 from sbpc.errors import CaptureError, ModelError, SbpcError
@@ -259,12 +260,20 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
+        keys = source.keys or ()
         with autocast(precision), reads.mode():
-            loss = torch.func.functional_call(model, state, tuple(batch_vals))
+            args, kwargs = ((), dict(zip(keys, batch_vals))) if keys else (tuple(batch_vals), None)
+            output = torch.func.functional_call(model, state, args, kwargs)
+        loss = loss_of(output)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            if loss is output and isinstance(output, Mapping):  # a Hugging Face output without a loss
+                got = f"{got} without a loss (keys: {', '.join(output.keys())})"
+            elif loss is not output:
+                got += f" first, in a {type(output).__name__}"
             raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=forward_loc,
-                             hint="reduce the loss to a 0-dim tensor, e.g. with .mean()")
+                             hint="reduce the loss to a 0-dim tensor, e.g. with .mean(); a Hugging Face model "
+                                  "computes it when example_batch gives it labels")
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss

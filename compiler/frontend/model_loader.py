@@ -2,7 +2,9 @@
 
 A model file is plain PyTorch. It defines ``build_model(**kw)`` (a module whose
 ``forward(*batch)`` returns the scalar loss) and ``example_batch(batch_size, **kw)``.
-``--set key=value`` reaches both as keyword arguments.
+``--set key=value`` reaches both as keyword arguments. A batch may also be a mapping, taken as
+``forward(**batch)``, and forward may return a tuple that starts with the loss or an output
+with a ``loss`` (Hugging Face's conventions: ``runtime/model_file.py``).
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from types import ModuleType
 from typing import Any, Callable
 
 from sbpc.errors import ModelError, UsageError
-from sbpc.runtime.model_file import import_model_file
+from sbpc.runtime.model_file import batch_tuple, import_model_file
 
-CONTRACT_HINT = "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) -> tuple of tensors"
+CONTRACT_HINT = ("define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) -> a tensor, a tuple of "
+                 "tensors, or a dict of them by forward()'s argument names")
 
 
 @dataclass
@@ -28,13 +31,26 @@ class ModelSource:
     path: str
     module: ModuleType
     sets: dict[str, Any] = field(default_factory=dict)
+    # forward()'s keyword names of the batch inputs, known after the first batch() (example_batch
+    # returns the same structure every call); () for a positional batch
+    keys: tuple[str, ...] | None = None
 
     def build(self):
         return call_user(self.module.build_model, self.path, **self.sets)
 
     def batch(self, batch_size: int) -> tuple:
         batch = call_user(self.module.example_batch, self.path, batch_size, **self.sets)
-        return check_batch(batch, self)
+        batch, self.keys = check_batch(batch, self)
+        return batch
+
+    def batch_keys(self, batch_size: int) -> tuple[str, ...]:
+        """``keys``, from a batch drawn without touching the caller's random stream if none was yet."""
+        if self.keys is None:
+            import torch
+
+            with torch.random.fork_rng():
+                self.batch(batch_size)
+        return self.keys
 
 
 def parse_sets(items: list[str] | None) -> dict[str, Any]:
@@ -93,15 +109,21 @@ def call_user(fn: Callable, path: str, *args, **kwargs):
                          hint="check the --set keys and values the model file accepts") from err
 
 
-def check_batch(batch: Any, source: ModelSource) -> tuple:
+def check_batch(batch: Any, source: ModelSource) -> tuple[tuple, tuple[str, ...]]:
+    """The batch as positional tensors, and forward()'s keyword names of them (``batch_tuple``)."""
     import torch
 
-    if isinstance(batch, torch.Tensor):
-        batch = (batch,)
-    if not isinstance(batch, (tuple, list)) or not all(isinstance(b, torch.Tensor) for b in batch):
-        raise ModelError(f"example_batch() in {source.path} must return a tensor or a tuple of tensors, got {type(batch).__name__}",
-                         hint=CONTRACT_HINT)
-    return tuple(batch)
+    tensors, keys = batch_tuple(batch)
+    if not isinstance(tensors, tuple):
+        raise ModelError(f"example_batch() in {source.path} must return a tensor, a tuple of tensors or a dict of "
+                         f"them, got {type(batch).__name__}", hint=CONTRACT_HINT)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            what = f"{keys[i]!r}" if keys else f"element {i}"
+            raise ModelError(f"example_batch() in {source.path} returned {type(t).__name__} as {what}; every batch "
+                             "input must be a tensor", hint="pass constant arguments of forward() through "
+                             "build_model (a module attribute) or give them defaults")
+    return tensors, keys
 
 
 def user_location(err: BaseException, path: str) -> str | None:

@@ -40,6 +40,7 @@ from sbpc.compiler.frontend.model_loader import ModelSource
 from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.ir.types import StateName
 from sbpc.runtime.kinds import Precision
+from sbpc.runtime.model_file import call_forward, loss_of
 from sbpc.runtime.plan import Plan, PrecisionSpec
 from sbpc.runtime.precision import COMPUTE_DTYPE, LOSS_SCALE, autocast
 from sbpc.compiler.tools.check_amp import LossScaler
@@ -158,8 +159,10 @@ class Eager:
 
     def __init__(self, source: ModelSource, optimizer: OptimizerConfig, seed: int,
                  precision: PrecisionSpec = PrecisionSpec(), device: torch.device = torch.device("cpu"),
-                 fused: bool = False):
+                 fused: bool = False, keys: tuple[str, ...] | list[str] = ()):
+        """``keys``: forward()'s keyword names of the batch inputs (the plan's ``batch_keys``)."""
         torch.manual_seed(seed)
+        self.keys = tuple(keys)
         self.model = source.build().train().to(device)  # built on the CPU, as the plan's init is
         self.device = device
         self.named = dict(self.model.named_parameters())
@@ -176,7 +179,8 @@ class Eager:
         self.opt.zero_grad(set_to_none=True)
         # the buffers the forward starts from (it may update them): the float64 twin starts there too
         self.buffers_before = {n: b.detach().clone() for n, b in plan_buffers(self.model)}
-        return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt)
+        return _forward_backward(self.model, self.on_device(batch), seed, self.precision.compute, self.scaler, self.opt,
+                                 self.keys)
 
     def on_device(self, batch):
         return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
@@ -191,7 +195,7 @@ class Eager:
             with torch.no_grad():
                 for name, b in plan_buffers(twin):
                     b.copy_(self.buffers_before[name])
-            loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed)
+            loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed, keys=self.keys)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
         same = SAME_FUNCTION if self.precision.compute == Precision.FP32 else SAME_FUNCTION_LOW
@@ -249,11 +253,11 @@ class Eager:
 
 
 def _forward_backward(model: torch.nn.Module, batch, seed: int, precision: Precision = Precision.FP32,
-                      scaler: LossScaler | None = None, opt=None) -> torch.Tensor:
+                      scaler: LossScaler | None = None, opt=None, keys: tuple[str, ...] = ()) -> torch.Tensor:
     torch.manual_seed(seed)  # dropout masks: the plan seeds its step the same way
     device = next(model.parameters(), torch.empty(0)).device
     with autocast(precision, device.type), plan_dropout(device):  # on a GPU, the plan's dropout masks
-        loss = model(*batch)
+        loss = loss_of(call_forward(model, batch, keys))
     if scaler is None:
         loss.backward()
     else:
@@ -302,7 +306,8 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         return None
     report = CheckReport(tolerance=tolerance, clip_grad=optimizer.clip_grad)
     device = runner.backend.device
-    eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused)
+    eager = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused,
+                  keys=plan.model.batch_keys)
     eager_state = plan_tensors(eager.model)
     init = Deviation()
     for name, t in weights.items():
@@ -313,7 +318,8 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
             eager_state[name].copy_(t)
     free = None
     if free_running:
-        free, report.free = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused), FreeRunning()
+        free, report.free = Eager(source, optimizer, seed, plan.precision, device, fused=plan.optimizer.fused,
+                  keys=plan.model.batch_keys), FreeRunning()
     for step in range(steps):
         batch = batches(step)
         lr = step_lr(lrs, step)
