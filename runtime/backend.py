@@ -286,7 +286,13 @@ def _fused_adamw(kernel, params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
 
 
 def _row_major(t: torch.Tensor) -> bool:
-    """``t``'s strides are those of a new contiguous tensor of its shape (size-1 dims included)."""
+    """``t``'s strides are those of a new contiguous tensor of its shape (size-1 dims included).
+    Asked of every tensor of the update every step (4 per parameter), so the common case is
+    answered in C: torch's contiguity ignores only the strides of size-1 dims (and all of an
+    empty tensor's), so without such dims it is exactly this test."""
+    shape = t.shape
+    if 1 not in shape and 0 not in shape:
+        return t.is_contiguous()
     expected, step = [], 1
     for size in reversed(t.shape):
         expected.append(step)
@@ -301,8 +307,14 @@ def _float32_steps(args: tuple) -> tuple:
         return args
     max_exp_avg_sqs, steps, *rest = args
     converted: dict[int, torch.Tensor] = {}
-    steps = [converted.setdefault(id(s), s.to(torch.float32)) if s.dtype != torch.float32 else s for s in steps]
-    return (max_exp_avg_sqs, steps, *rest)
+    out = []
+    for s in steps:
+        if s.dtype != torch.float32:
+            if id(s) not in converted:  # not setdefault: its default would convert every time
+                converted[id(s)] = s.to(torch.float32)
+            s = converted[id(s)]
+        out.append(s)
+    return (max_exp_avg_sqs, out, *rest)
 
 
 @lru_cache(maxsize=None)
