@@ -195,6 +195,28 @@ CASES = [
              def example_batch(batch_size):
                  return {"x": torch.randn(batch_size, 4)}
              """)),
+    # ... from a library's forward (Hugging Face's): the user's line is the batch without labels
+    Case("model-library-output-without-loss", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("returned Out without a loss (keys: logits)", "model.py:7"),
+         chain(write("lib.py", """
+             import torch
+
+             class Out(dict):
+                 pass
+
+             class Net(torch.nn.Linear):
+                 def forward(self, x, labels=None):
+                     return Out(logits=super().forward(x))
+             """), write("model.py", """
+             import torch
+             from lib import Net
+
+             def build_model():
+                 return Net(4, 2)
+
+             def example_batch(batch_size):
+                 return {"x": torch.randn(batch_size, 4)}
+             """))),
     Case("model-batch-unsupported-dtype", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
          "tensors of dtype torch.uint16 are not supported yet",
          write("model.py", """

@@ -267,11 +267,14 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         loss = loss_of(output)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            where = forward_loc
             if loss is output and isinstance(output, Mapping):  # a Hugging Face output without a loss
                 got = f"{got} without a loss (keys: {', '.join(output.keys())})"
+                if where is None or not _same_file(where, source.path):  # a library's forward: the
+                    where = _function_location(source.module.example_batch)  # batch that gave no labels
             elif loss is not output:
                 got += f" first, in a {type(output).__name__}"
-            raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=forward_loc,
+            raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=where,
                              hint="reduce the loss to a 0-dim tensor, e.g. with .mean(); a Hugging Face model "
                                   "computes it when example_batch gives it labels")
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
@@ -411,11 +414,18 @@ class _FailedFakeKernel(logging.Filter):
 
 
 def _forward_location(model: torch.nn.Module) -> str | None:
+    return _function_location(type(model).forward)
+
+
+def _function_location(fn) -> str | None:
     try:
-        fn = type(model).forward
         return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
     except (TypeError, OSError):
         return None
+
+
+def _same_file(location: str, path: str) -> bool:
+    return os.path.abspath(location.rpartition(":")[0]) == os.path.abspath(path)
 
 
 @contextlib.contextmanager
