@@ -52,6 +52,11 @@ class _Peak:
             self.total, self.terms, self.at, self.in_flight = total, terms, at, in_flight
 
 
+def _add_into(total: dict[Term, int], part: dict[Term, int], sign: int) -> None:
+    for t, b in part.items():
+        total[t] += sign * b
+
+
 def _add(*parts: dict[Term, int]) -> dict[Term, int]:
     # summed part by part, not term by term over every part: called ~22k times at 1T
     out = dict.fromkeys(Term, 0)
@@ -104,16 +109,19 @@ def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[st
     live: set[str] = set()
     b = best = 0
     best_terms = dict.fromkeys(Term, 0)
+    terms = dict.fromkeys(Term, 0)  # the live bytes by term, kept as they change: a forward peaks at every op
     for k in range(last):
         new = births.get(k, ())
         live.update(new)
         b += store.nbytes(new)
+        _add_into(terms, store.by_term(new, held=False), 1)
         staged = store.staging.get(id(kernels[k][1]), 0)
         if b + staged > best:
-            best, best_terms = b + staged, _add(store.by_term(live, held=False), {Term.BUFFERS: staged})
+            best, best_terms = b + staged, _add(terms, {Term.BUFFERS: staged})
         gone = deaths.get(k, ())
         live.difference_update(gone)
         b -= store.nbytes(gone)
+        _add_into(terms, store.by_term(gone, held=False), -1)
     return _TaskProfile(best, best_terms, set(born), b, store.by_term(live, held=True))
 
 

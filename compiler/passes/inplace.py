@@ -194,9 +194,15 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             else:
                 r.last[st] = max(r.last.get(st, where.position[idx]), where.position[idx])
     shared = store.foreign | outputs  # what no update may overwrite: once, not per candidate op
-    members: dict[str, set[str]] = {}
+    # per storage, what its members (the values in it) say, kept as storages merge: whether one
+    # is shared, and their tasks. A residual stream's gradient accumulates into one storage layer
+    # by layer: walking its members at every add was quadratic in the depth
+    pinned: dict[str, bool] = {}
+    homes: dict[str, set] = {}
     for v in types:
-        members.setdefault(store.find(v), set()).add(v)
+        s = store.find(v)
+        pinned[s] = pinned.get(s, False) or v in shared
+        homes.setdefault(s, set()).add(where.names.get(v))
     nodes = []
     for idx, n in enumerate(graph.nodes):
         st, at = where.stage[idx], where.position[idx]
@@ -205,10 +211,10 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             """``x``'s storage may take ``n``'s result: owned, same type, read last here, not sent,
             not a graph output (nor anything sharing it), not another operand of ``n``."""
             s = store.find(x)
-            return (types[x] == n.types[0] and x in store.owned and members[s].isdisjoint(shared)
+            return (types[x] == n.types[0] and x in store.owned and not pinned[s]
                     and not reads[s].sent and reads[s].last.get(st) == at
                     and sum(store.find(u) == s for u in n.uses()) == 1
-                    and (n.role != Role.BACKWARD or all(where.names.get(v) == where.task[idx] for v in members[s])))
+                    and (n.role != Role.BACKWARD or homes[s] == {where.task[idx]}))
 
         if not _may_overwrite(n) or len(n.outputs) != 1 or not n.args or not isinstance(n.args[0], Ref):
             nodes.append(n)
@@ -223,7 +229,9 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             store.add(n)  # from here on the result is x's storage
             merged = store.find(x)
             reads[merged] = reads.pop(s).merge(reads.pop(out, _Reads()))
-            members[merged] = members.pop(s) | members.pop(out, set())
+            was, came = pinned.pop(s), pinned.pop(out, False)
+            pinned[merged] = was or came
+            homes[merged] = homes.pop(s) | homes.pop(out, set())
         nodes.append(n)
     return nodes
 
