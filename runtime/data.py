@@ -209,26 +209,31 @@ def _round_up(n: int, to: int = 64) -> int:
 @dataclass(frozen=True)
 class LmLayout:
     """How windows fill the plan's batch inputs: ``offsets[i]`` is where input ``i`` starts in its
-    window (targets 1 for next-token targets, 0 when the model shifts its labels itself)."""
+    window (targets 1 for next-token targets, 0 when the model shifts its labels itself); None
+    for an attention mask of ones (Hugging Face's ``attention_mask``: every window is whole)."""
     batch_size: int
     seq: int
-    offsets: tuple[int, ...]
+    offsets: tuple[int | None, ...]
     dtypes: tuple[torch.dtype, ...]
 
     @property
     def span(self) -> int:
-        return self.seq + max(self.offsets)
+        return self.seq + max(o for o in self.offsets if o is not None)
 
 
 def lm_layout(plan: Plan, example: tuple[torch.Tensor, ...] | None) -> LmLayout:
     """The layout of the plan's batch inputs: one or two integer tensors ``[batch, seq]``, ids
     then targets. Targets are the next tokens, unless the model file's ``example_batch`` returns
-    its targets equal to its inputs (Hugging Face's ``labels=input_ids``: the model shifts)."""
-    specs = plan.batch
-    shapes = {tuple(s.shape) for s in specs}
+    its targets equal to its inputs (Hugging Face's ``labels=input_ids``: the model shifts). An
+    input named ``attention_mask`` (``plan.model.batch_keys``) that the example fills with ones
+    is fed ones, wherever it stands."""
+    mask = [k == "attention_mask" and example is not None and bool((example[i] == 1).all())
+            for i, k in enumerate(plan.model.batch_keys)] or [False] * len(plan.batch)
+    specs = [s for s, m in zip(plan.batch, mask) if not m]
+    shapes = {tuple(s.shape) for s in plan.batch}
     ints = all(not getattr(torch, s.dtype).is_floating_point and s.dtype != "bool" for s in specs)
     if len(specs) not in (1, 2) or len(shapes) != 1 or len(specs[0].shape) != 2 or not ints:
-        got = ", ".join(f"{s.dtype} {s.shape}" for s in specs)
+        got = ", ".join(f"{s.dtype} {s.shape}" for s in plan.batch)
         raise UsageError(f"--data feeds token ids [batch, seq] (and targets), but this plan's batch inputs are {got}",
                          hint="define batches(path, batch_size, seed, **kw) in the model file to supply its own "
                               "(docs/training.md)")
@@ -236,10 +241,12 @@ def lm_layout(plan: Plan, example: tuple[torch.Tensor, ...] | None) -> LmLayout:
         if any("P" in x for x in s.sbp):
             raise UsageError(f"batch input {s.name} is partial ({s.sbp}) in the plan; a token batch cannot be",
                              hint="recompile the plan")
-    same = example is not None and len(example) == 2 and torch.equal(example[0], example[1])
-    offsets = (0,) if len(specs) == 1 else (0, 0 if same else 1)
+    tokens = [t for t, m in zip(example, mask) if not m] if example is not None else []
+    same = len(tokens) == 2 and torch.equal(tokens[0], tokens[1])
+    token_offsets = iter((0,) if len(specs) == 1 else (0, 0 if same else 1))
+    offsets = tuple(None if m else next(token_offsets) for m in mask)
     batch, seq = specs[0].shape
-    return LmLayout(batch, seq, offsets, tuple(getattr(torch, s.dtype) for s in specs))
+    return LmLayout(batch, seq, offsets, tuple(getattr(torch, s.dtype) for s in plan.batch))
 
 
 class LmLoader:
@@ -300,6 +307,9 @@ class LmLoader:
         starts = self._starts()
         out = []
         for (rows, cols), offset, dtype in zip(self.index, self.layout.offsets, self.layout.dtypes):
+            if offset is None:  # an attention mask: every token of a window is real
+                out.append(torch.ones(rows.shape, dtype=dtype))
+                continue
             where = (starts[rows] + cols + offset).numpy()
             out.append(torch.from_numpy(self.tokens.ids[where].astype(np.int64)).to(dtype))
         return LocalBatch(tuple(out)) if self.sharded else tuple(out)
@@ -388,7 +398,7 @@ def make_batches(plan: Plan, data: DataOptions, seed: int,
     if callable(getattr(module, "batches", None)):
         return ModelBatches(module.batches, data.path, plan, seed)
     tokens = open_tokens(data.path, dtype=data.dtype, tokenizer=data.tokenizer)
-    example = _example(module, plan) if len(plan.batch) == 2 else None
+    example = _example(module, plan) if len(plan.batch) > 1 else None
     return LmLoader(tokens, lm_layout(plan, example), seed, cut)
 
 
@@ -401,7 +411,7 @@ def check_data(plan: Plan, data: DataOptions) -> None:
     if callable(getattr(module, "batches", None)):
         return
     tokens = open_tokens(data.path, dtype=data.dtype, tokenizer=data.tokenizer)
-    layout = lm_layout(plan, _example(module, plan) if len(plan.batch) == 2 else None)
+    layout = lm_layout(plan, _example(module, plan) if len(plan.batch) > 1 else None)
     LmLoader(tokens, layout, 0)  # enough tokens for one window
     vocab = plan_vocab(plan)
     if vocab is not None:

@@ -13,7 +13,8 @@ import torch
 from conftest import MODELS
 
 from sbpc.errors import DataError, UsageError
-from sbpc.runtime.data import LmLayout, LmLoader, LoaderState, Tokens, check_data, DataOptions, open_tokens, plan_vocab
+from sbpc.runtime.data import (LmLayout, LmLoader, LoaderState, Tokens, check_data, DataOptions, lm_layout, open_tokens,
+                               plan_vocab)
 from sbpc.runtime.lr_schedule import DecayStyle, LrSchedule
 from sbpc.runtime.plan import ModelRef
 
@@ -282,6 +283,25 @@ def test_a_model_files_batches_resume_by_drawing_again():
     again = ModelBatches(batches, "data", plan, seed=5)
     again.restore(LoaderState(index=3))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[3:], [again.next(), again.next()]))
+
+
+def test_a_hugging_face_dict_batch_takes_windows_and_a_mask_of_ones():
+    """tests/zoo/mistral.py's batch is {input_ids, attention_mask, labels=input_ids}: the ids
+    and the labels get the same window (the model shifts), the mask is ones, by its name."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.runtime.data import _example, model_module
+
+    plan = compile_model(load_model("tests/zoo/mistral.py"), parse_mesh("1"), batch_size=2,
+                         optimizer=OptimizerConfig()).plan
+    assert plan.model.batch_keys == ["input_ids", "attention_mask", "labels"]
+    layout = lm_layout(plan, _example(model_module(plan), plan))
+    assert layout.offsets == (0, None, 0) and layout.span == layout.seq == 16
+    ids, mask, labels = LmLoader(_tokens(), layout, seed=0).next()
+    assert torch.equal(ids, labels) and torch.equal(mask, torch.ones(2, 16, dtype=torch.int64))
+    assert not torch.equal(ids[:, 1:], ids[:, :-1])  # real windows, not a constant
 
 
 def test_a_model_files_dict_batches_are_taken_by_the_plans_keyword_names():
