@@ -121,7 +121,9 @@ class Program:
         outs = ", ".join("%" + o for o in ins.outs) or "(in place)"
         return RuntimeFailure(f"{ins.op} -> {outs} failed: {type(err).__name__}: {first}",
                               location=str(ins.loc) if ins.loc else None,
-                              hint="run `sbpc check` on the model to compare it with eager PyTorch; use --debug for the trace")
+                              hint="if eager PyTorch raises the same there (under torch.autocast for --precision "
+                                   "bf16/fp16), fix that line of the model; if not, the plan is wrong: report it "
+                                   "(`sbpc check` compares the two); --debug shows the trace")
 
 
 _TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int"})
