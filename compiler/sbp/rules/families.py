@@ -176,6 +176,18 @@ def reduce(c, self, dim, keepdim, kind):
     return lp, []
 
 
+@family("histc")
+def histc(c, self, min, max):
+    """``histc``: each element falls in a bin fixed by ``min`` and ``max`` alone, so any split
+    of the input counts its block's elements and the counts add (``P``). With ``min == max``
+    torch takes the range from the data (each block's own extremes would shift the bins):
+    then nothing splits."""
+    if c.value(min) == c.value(max):
+        return None, []
+    lets = letters(len(c.shape(c.tensor(self))))
+    return Loops(ins={c.tensor(self): lets}, outs=[[None]], reduce={x: "sum" for x in lets}), []
+
+
 @family("complex_view")
 def complex_view(c, self):
     """``view_as_complex`` ([..., 2] real -> [...] complex) and ``view_as_real`` (back): the
