@@ -38,6 +38,7 @@ from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
+from sbpc.compiler.frontend.input_checks import unreduce
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -101,7 +102,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     # through the alias mul_ returns, which functionalize would take for a private temporary
     nodes, buffer_writes = functionalize_buffer_writes(rrelu_as_leaky_relu(imported.nodes), inputs)
     read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
-    nodes, renamed = functionalize(nodes, {i.value for i in inputs}, read_after)
+    nodes, renamed = functionalize(unreduce(nodes), {i.value for i in inputs}, read_after)
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
     _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
@@ -259,7 +260,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
-        with autocast(precision), reads.mode():
+        with autocast(precision), reads.mode() as answered:
             loss = torch.func.functional_call(model, state, tuple(batch_vals))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -268,7 +269,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
-        return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
+        grads = torch.autograd.grad(seed, list(param_vals), allow_unused=True)
+        return [answered.checks.apply(loss) if answered is not None else loss, *grads]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
         # a lazy GraphModule: nothing runs the traced module, and generating its Python code
@@ -290,6 +292,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
                 gm = None
         if gm is None:  # again with the reads answered; afresh, as a stamper keeps what it saw
             return trace(Stamper(stamper.repeated) if stamper else None)
+        if stamper and reads.last is not None and reads.last.checks.checks:
+            raise NotStampable  # a check read inside the traced layer would be missing from its copies
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:

@@ -1,0 +1,150 @@
+"""A library's check of its input, read as a runtime assertion instead of a branch.
+
+torch's ``F.gaussian_nll_loss`` validates its variance with ``elif torch.any(var < 0): raise
+ValueError(...)``: a read of a tensor's value, which the fake tensors of a capture do not have
+("data-dependent control flow"). The branch only decides whether to raise: on any input the
+loss accepts, it is not taken. So when a read is
+
+- on a line of a library (not the user's own code, whose branches stay refused: which way one
+  goes is the model's meaning), and
+- the whole test of an ``if`` or ``elif`` (``if T:`` or ``if not T:``, nothing combined with
+  ``and``/``or`` or chained, the read the branch's own truth test, not a ``bool()`` inside it)
+  whose body only raises,
+
+``ConstantReads`` answers the value that passes, and the check is recorded: at the end of the
+traced step the loss goes through ``sbpc.check_input(loss, bad, message)``
+(``runtime/input_checks.py``), which raises the library's error at run time when any element of
+``bad`` is true (a ``ValueError`` with the library's text and lines). A plan therefore refuses
+the step eager refuses, on that step's values.
+``bad`` is the test's tensor (negated for ``if not T``); a full ``any`` is dropped for the
+elements it reads (``unreduce``), so the check splits with them (each rank checks its block, a
+micro-batch its rows) instead of gathering them.
+"""
+from __future__ import annotations
+
+import ast
+import dis
+import functools
+import linecache
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+import sbpc.compiler
+from sbpc.compiler.frontend.fx_import import caller_location, is_user_file
+from sbpc.compiler.frontend.model_loader import display_path
+from sbpc.compiler.ir.types import producers, Ref
+from sbpc.runtime.input_checks import CHECK_INPUT
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+# the frames between a Python-level read (``if T:``) and the dispatch mode that answers it
+_MACHINERY = tuple(_TORCH + p for p in ("_dynamo", "_compile.py", "utils/_python_dispatch.py", "_subclasses", "fx",
+                                        "overrides.py", "_ops.py", "_tensor.py"))
+_SBPC = os.path.dirname(sbpc.compiler.__file__) + os.sep
+
+
+class InputChecks:
+    """The checks answered while tracing one step: (bad, the error's text and lines)."""
+
+    def __init__(self) -> None:
+        self.checks: list[tuple[torch.Tensor, str]] = []
+
+    def answer(self, t: torch.Tensor) -> bool | None:
+        """The passing value of the read of ``t`` when it is a library's input check (and the
+        check recorded), else None."""
+        if t.dtype != torch.bool or t.numel() != 1:
+            return None
+        frame = _reader(sys._getframe(1))
+        if frame is None or is_user_file(frame.f_code.co_filename) or not _branches(frame):
+            return None
+        found = _raising_test(frame.f_code.co_filename, frame.f_lineno)
+        if found is None:
+            return None
+        negated, message = found
+        where = f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+        caller = caller_location()
+        where += f", called at {caller.file}:{caller.line}" if caller is not None else ""
+        self.checks.append((torch.logical_not(t) if negated else t, f"{message} ({where})"))
+        return negated
+
+    def apply(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` through every check recorded (outside autograd: the gradients are the loss's)."""
+        for bad, message in self.checks:
+            loss = torch.ops.sbpc.check_input.default(loss.detach(), bad, message)
+        return loss
+
+
+def _reader(frame):
+    """The frame that read the value: the first outside torch's dispatch machinery and sbpc."""
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(_MACHINERY) and not name.startswith(_SBPC):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _branches(frame) -> bool:
+    """Whether the frame reads the value to branch on it (``if T:``), not inside the test
+    (``if f(bool(T)):``, ``if T.item() > 0:``): its instruction is a conditional jump (or, from
+    Python 3.13, the truth test before one)."""
+    op = _instructions(frame.f_code).get(frame.f_lasti)
+    return op is not None and (op.startswith("POP_JUMP") or op == "TO_BOOL")
+
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code) -> dict[int, str]:
+    return {i.offset: i.opname for i in dis.get_instructions(code)}
+
+
+def _raising_test(filename: str, line: int) -> tuple[bool, str] | None:
+    """(whether the test is negated, the error's text) when ``line`` is in the test of an
+    ``if``/``elif`` that is one value (``T`` or ``not T``) and whose body is one ``raise``."""
+    tree = _parse(filename)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and node.test.lineno <= line <= node.test.end_lineno:
+            if len(node.body) != 1 or not isinstance(node.body[0], ast.Raise) or node.body[0].exc is None:
+                return None
+            test, negated = node.test, False
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                test, negated = test.operand, True
+            if isinstance(test, (ast.BoolOp, ast.UnaryOp, ast.IfExp)) or \
+                    (isinstance(test, ast.Compare) and len(test.ops) > 1):  # the jump tests a part of it
+                return None
+            return negated, _message(node.body[0].exc)
+    return None
+
+
+def _message(exc: ast.expr) -> str:
+    """The raised error's text as the source says it (``var has negative entry/entries``), or
+    the raise's expression when it is not a literal."""
+    if isinstance(exc, ast.Call) and exc.args and isinstance(exc.args[0], ast.Constant) and isinstance(exc.args[0].value, str):
+        return exc.args[0].value
+    return ast.unparse(exc)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(filename: str) -> ast.Module | None:
+    source = "".join(linecache.getlines(filename))
+    try:
+        return ast.parse(source, filename) if source else None
+    except (SyntaxError, ValueError):
+        return None
+
+
+def unreduce(nodes: list) -> list:
+    """``check_input(x, any(m))`` -> ``check_input(x, m)``: the same verdict, from elements that
+    split with their tensor."""
+    made = producers(nodes)
+    out = []
+    for n in nodes:
+        if n.op == CHECK_INPUT and isinstance(n.args[1], Ref) and n.args[1].name in made:
+            p = nodes[made[n.args[1].name]]
+            if p.op == "aten.any.default":
+                n = replace(n, args=(n.args[0], p.args[0], *n.args[2:]))
+        out.append(n)
+    return out
