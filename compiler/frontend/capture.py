@@ -102,7 +102,8 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     # through the alias mul_ returns, which functionalize would take for a private temporary
     nodes, buffer_writes = functionalize_buffer_writes(rrelu_as_leaky_relu(imported.nodes), inputs)
     read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
-    nodes, renamed = functionalize(unreduce(nodes), {i.value for i in inputs}, read_after)
+    types = {i.value: i.type for i in inputs} | {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
+    nodes, renamed = functionalize(unreduce(nodes, types), {i.value for i in inputs}, read_after)
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
     _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
