@@ -39,6 +39,7 @@ from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
 from sbpc.compiler.frontend.input_checks import unreduce
+from sbpc.compiler.frontend.random_layout import draw_in_memory_order, memory_orders
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -104,6 +105,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
     types = {i.value: i.type for i in inputs} | {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
     nodes, renamed = functionalize(unreduce(nodes, types), {i.value for i in inputs}, read_after)
+    nodes = draw_in_memory_order(nodes, memory_orders(graph, names))
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
     _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
