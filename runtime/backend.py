@@ -15,6 +15,7 @@ import torch
 
 from sbpc.errors import PlanError, UsageError
 from sbpc.runtime import init_ops  # noqa: F401  registers torch.ops.sbpc.trunc_normal_, which init programs call
+from sbpc.runtime import input_checks  # noqa: F401  registers torch.ops.sbpc.check_input, which steps call
 from sbpc.runtime.topology import Topology
 
 

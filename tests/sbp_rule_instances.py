@@ -88,6 +88,12 @@ def synthetic() -> list[Instance]:
         synth("aten.binary_cross_entropy_with_logits.default", x(8, 12), pos(8, 12) - 0.5, pos(12), pos(12), 1),
         synth("aten.binary_cross_entropy_with_logits.default", x(8, 12), pos(8, 12) - 0.5, None, None, 2),
         synth("aten.binary_cross_entropy_with_logits.default", x(8, 12), pos(8, 12) - 0.5, pos(8, 1), None, 0),
+        # histc: values outside [min, max] dropped; expert ids (a mixture of experts' group
+        # sizes); min == max takes the range from the data, so nothing splits
+        synth("aten.histc.default", x(8, 12), 5, -1.0, 1.0), synth("aten.histc.default", ids(4, 16).float(), 4, 0, 3),
+        synth("aten.histc.default", x(8, 12), 5, 0, 0),
+        # a library's input check: the loss passes through, the elements checked are read anywhere
+        synth("sbpc.check_input.default", torch.tensor(1.5), x(8, 12) < -100, "var has negative entry/entries"),
         synth("aten.view_as_complex.default", x(4, 6, 2)), synth("aten.view_as_real.default", torch.complex(x(4, 6), x(4, 6))),
         synth("aten._conj.default", torch.complex(x(4, 6), x(4, 6))), synth("aten.polar.default", pos(4, 6), x(4, 6)),
         synth("aten.embedding.default", x(16, 8), ids(16, 8)),

@@ -159,3 +159,120 @@ def test_a_dict_batch_binds_by_name_and_a_tuple_output_gives_its_loss(mesh):
     assert [b.shape for b in plan.batch] == [[4], [4], [4, 8]]
     r = sbpc_check("tests/models/keyword_batch.py", "--mesh", mesh)
     assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+
+
+def test_a_librarys_input_check_is_a_runtime_check():
+    """``F.gaussian_nll_loss`` raises when ``torch.any(var < 0)``: capture answers torch's read
+    with the passing value and keeps the check as ``sbpc.check_input`` on the loss, reading the
+    elements (``var < 0``, not their ``any``), so it splits with the batch; the plan raises
+    torch's error on a step whose variance is negative, and matches eager on dp and a pipeline."""
+    import torch
+
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.compiler.tools.check import check_on_ranks
+    from sbpc.errors import RuntimeFailure
+    from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.runner import Runner
+
+    source = load_model("tests/models/gaussian_nll.py", {"given_var": True})
+    graph = capture(source, parse_mesh("1"), 4, OptimizerConfig(), None)
+    made = {o: n for n in graph.nodes for o in n.outputs}
+    loss = made[graph.outputs_of(OutputKind.LOSS)[0].value]
+    assert loss.op == "sbpc.check_input.default", loss.op
+    assert made[loss.args[1].name].op == "aten.lt.Scalar"
+    assert loss.args[2].startswith("var has negative entry/entries (.venv/lib/"), loss.args[2]
+    assert loss.args[2].endswith(", called at tests/models/gaussian_nll.py:17)"), loss.args[2]
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig()).plan
+    runner = Runner(plan, make_backend("cpu"), seed=0)
+    x, y, var = source.batch(4)
+    runner.step([x, y, var])
+    with pytest.raises(RuntimeFailure, match="failed: ValueError: var has negative entry/entries"):
+        runner.step([x, y, var - 1])
+    for mesh, microbatches in (("2", 1), ("1x1x2", 2), ("2x1x2", 2)):
+        for given_var in (False, True):
+            source = load_model("tests/models/gaussian_nll.py", {"given_var": given_var})
+            plan = compile_model(source, parse_mesh(mesh), batch_size=8, optimizer=OptimizerConfig(),
+                                 pipeline=PipelineOptions(microbatches=microbatches)).plan
+            # each rank (and micro-batch, which a pipeline would otherwise refuse) checks its rows
+            check = [i for s in plan.stages for i in s.instructions if i.op == "sbpc.check_input.default"]
+            assert check and all(i.sbp_in[1][0] == ("S(0)" if mesh != "1x1x2" else "B") for i in check), check
+            report = check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=1e-5, ranks="threads")
+            assert report.passed, report.table()
+
+
+def test_a_users_own_check_of_a_value_stays_refused(tmp_path):
+    """The same check in the user's own code is a branch of the model: refused, naming its line."""
+    from sbpc.errors import CaptureError
+
+    (tmp_path / "model.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        if torch.any(x < -10):\n"
+        "            raise ValueError('x out of range')\n"
+        "        return self.fc(x).mean()\n"
+        "def build_model():\n"
+        "    return Net()\n"
+        "def example_batch(batch_size):\n"
+        "    return (torch.randn(batch_size, 4),)\n")
+    with pytest.raises(CaptureError, match="data-dependent control flow") as err:
+        capture(load_model(str(tmp_path / "model.py"), {}), parse_mesh("1"), 4, OptimizerConfig(), None)
+    assert "model.py:7" in str(err.value.location), err.value.location
+
+
+def test_a_label_check_after_a_static_test_reads_every_label(tmp_path, monkeypatch):
+    """Hugging Face's CTC heads check ``labels is not None and labels.max() >= vocab`` before
+    raising: the ``is not None`` is decided by the trace, the last operand is the test's truth.
+    The check reads ``labels >= vocab`` element by element (a max of the batch would be gathered,
+    and a pipeline refused), so it splits with the batch; a bad label raises at run time."""
+    import torch
+
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend import input_checks
+    from sbpc.compiler.passes import PipelineOptions
+    from sbpc.compiler.tools.check import check_on_ranks
+    from sbpc.errors import RuntimeFailure
+    from sbpc.runtime.backend import make_backend
+    from sbpc.runtime.runner import Runner
+
+    (tmp_path / "heads.py").write_text(
+        "import torch\n"
+        "def loss(logits, labels):\n"
+        "    if labels is not None and labels.max() >= 2:  # class 2 is reserved\n"
+        "        raise ValueError('labels must be 0 or 1')\n"
+        "    return torch.nn.functional.cross_entropy(logits, labels)\n")
+    (tmp_path / "model.py").write_text(
+        "import torch\n"
+        "import heads\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 3)\n"
+        "    def forward(self, x, labels):\n"
+        "        return heads.loss(self.fc(x), labels)\n"
+        "def build_model():\n"
+        "    return Net()\n"
+        "def example_batch(batch_size):\n"
+        "    return torch.randn(batch_size, 4), torch.randint(0, 2, (batch_size,))\n")
+    # heads.py stands for an installed library (Hugging Face's, under site-packages)
+    monkeypatch.setattr(input_checks, "_LIBRARIES", (*input_checks._LIBRARIES, str(tmp_path) + "/heads.py"))
+    source = load_model(str(tmp_path / "model.py"), {})
+    plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig()).plan
+    check = [i for s in plan.stages for i in s.instructions if i.op == "sbpc.check_input.default"]
+    assert len(check) == 1 and check[0].args[2].startswith("labels must be 0 or 1 ("), check
+    made = {o: i for s in plan.stages for i in s.instructions for o in i.outs}
+    assert made[check[0].args[1].ref].op == "aten.ge.Scalar" and made[check[0].args[1].ref].types[0].shape == [4]
+    x, labels = source.batch(4)
+    Runner(plan, make_backend("cpu"), seed=0).step([x, labels])
+    # (the check runs on the loss, at the end of the forward: a label out of the kernels' range
+    # fails in them first, as an IndexError rather than the library's ValueError)
+    with pytest.raises(RuntimeFailure, match="ValueError: labels must be 0 or 1"):
+        Runner(plan, make_backend("cpu"), seed=0).step([x, labels.clamp(max=0) + 2])
+    for mesh, microbatches in (("2", 1), ("1x1x2", 2)):
+        plan = compile_model(source, parse_mesh(mesh), batch_size=4, optimizer=OptimizerConfig(),
+                             pipeline=PipelineOptions(microbatches=microbatches)).plan
+        assert check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=1e-5, ranks="threads").passed

@@ -292,3 +292,24 @@ def test_per_pixel_cross_entropy_moves_no_logits_on_dp():
     pixels = 4 * 6 * 6
     moved = [c for c in collectives(plan) if c.role in ("fwd", "bwd") and c.moves_data]
     assert all(c.nbytes <= pixels for c in moved), moved
+
+
+@pytest.mark.parametrize("batch,cluster", [(16384, None), (8, "dgx-h100")])
+def test_per_pixel_mean_count_is_a_partial_sum_when_the_cost_model_says(batch, cluster):
+    """The mean's count of kept pixels, ``sum(target != ignore)``, is a partial sum of a split
+    mask: the rules let each rank count its pixels and all-reduce the 0-d count. Which of that
+    and gathering the mask (one byte a pixel) a plan does is the cost model's: a ring all-reduce
+    costs two steps a device where a gather costs one, so small masks are gathered (seg_ce's
+    default, 72 pixels a rank). Counted here where the all-reduce is cheaper: a mask of 295 KB a
+    rank on the default model, and dp=8 on a DGX H100, whose all-reduce of 4 bytes is a tree
+    (3 steps each way, where gathering takes 7). Forward and backward move the count alone (the
+    loss rides in the first gradient bucket)."""
+    from sbpc.compiler.pass_manager import CompileContext
+    from sbpc.compiler.sbp.cost_model import ClusterCost
+    from sbpc.compiler.tools.cluster import load_cluster
+
+    m = parse_mesh("2x1" if cluster is None else "8x1")
+    ctx = CompileContext(cost_model=ClusterCost(load_cluster(cluster), m.device_axes) if cluster else None)
+    plan = compile_model(load_model(SEG, {}), m, batch_size=batch, optimizer=OptimizerConfig(), ctx=ctx).plan
+    moved = [(c.kind, c.nbytes) for c in collectives(plan) if c.role in ("fwd", "bwd") and c.moves_data]
+    assert moved == [("all_reduce", 4)], moved

@@ -112,6 +112,17 @@ def test_signatures_all_b_first_and_divisible(book):
     assert not book.has_rule("aten.fancy.default") and book.has_rule("aten.mm.default")
 
 
+def test_histc_counts_add_only_over_a_fixed_range(book):
+    """A split input's counts add (P) when min and max fix the bins; with min == max torch
+    takes the range from the data, each block's own, so only all-B is offered."""
+    t = TensorType
+    sigs = lambda lo, hi: {(s.ins, s.outs) for s in book.signatures(
+        Node(["o"], "aten.histc.default", (Ref("x"), 4, lo, hi), {}, [t((4,), "f32")], Role.FORWARD),
+        [t((8, 6), "f32")], 2)}
+    assert ((Split(0),), (P,)) in sigs(0, 3) and ((Split(1),), (P,)) in sigs(0, 3)
+    assert sigs(0, 0) == sigs(2.0, 2.0) == {((B,), (B,))}
+
+
 def test_addmm_bias_is_partial_when_k_splits(book):
     t = TensorType
     n = Node(["o"], "aten.addmm.default", (Ref("b"), Ref("x"), Ref("w")), {}, [t((8, 4), "f32")], Role.FORWARD)

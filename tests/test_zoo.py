@@ -9,6 +9,8 @@ a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent mode
 ``nn.GRU``, and the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read
 from a tensor while building) and Swin (shifted windows; an ``as_strided`` pooler). Llama also runs
 with its shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
+Mixtral (a mixture of experts) runs on dp and on one micro-batch only; a pipeline refuses its
+sort of the batch's tokens by expert (its own test).
 """
 from __future__ import annotations
 
@@ -224,3 +226,28 @@ def test_pipeline_names_the_op_that_relates_rows_of_the_batch():
     plan = compile_model(load_model("tests/models/contrastive.py", {}), parse_mesh("2"), batch_size=4,
                          optimizer=CHECK_OPT).plan
     assert check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads").passed
+
+
+# ----- Mixtral: a sparse mixture of experts (Hugging Face's grouped experts on CPU)
+
+def test_mixtral_counts_tokens_per_expert_as_a_partial_sum_and_pipelines_name_the_token_sort():
+    """The tokens per expert are ``histc`` of the sorted expert ids, a partial sum on a split
+    input (it once had no rule, and a pipeline refused naming it). What a pipeline still cannot
+    split is the sort of every token of the batch by expert: a micro-batch's hidden states are
+    read with the whole batch's permutation, and the error names that read. dp runs the layer on
+    the gathered tokens, and one micro-batch pipelines it."""
+    from sbpc.errors import CompileError
+
+    source = load_model("tests/zoo/mixtral.py", {})
+    with pytest.raises(CompileError) as err:
+        compile_model(source, parse_mesh("1x1x2"), batch_size=BATCH, optimizer=CHECK_OPT,
+                      pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten.index.Tensor reads the whole batch with one micro-batch's rows"), \
+        err.value.message
+    assert "mlp.experts" in str(err.value.location), err.value.location
+    for mesh, microbatches in (("2x2", 1), ("2x1x2", 1)):
+        plan = compile_model(source, parse_mesh(mesh), batch_size=BATCH, optimizer=CHECK_OPT,
+                             pipeline=PipelineOptions(microbatches=microbatches)).plan
+        report = check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads")
+        print(f"\nzoo mixtral on {mesh}: largest deviation {report.worst[0]:.2e} ({report.worst[1]})")
+        assert report.passed, report.table()

@@ -39,6 +39,8 @@ from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
+from sbpc.compiler.frontend.input_checks import unreduce
+from sbpc.compiler.frontend.random_layout import draw_in_memory_order, memory_orders
 from sbpc.compiler.frontend.functionalize import functionalize
 from sbpc.compiler.frontend.hint_op import hint_op, hint_inputs
 from sbpc.compiler.frontend.hints import ACTIVE, STAGE_KEY, HintRecorder, ParallelConfig
@@ -102,7 +104,9 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     # through the alias mul_ returns, which functionalize would take for a private temporary
     nodes, buffer_writes = functionalize_buffer_writes(rrelu_as_leaky_relu(imported.nodes), inputs)
     read_after = frozenset(names[o] for o in imported.outputs if o is not None) | frozenset(buffer_writes.values())
-    nodes, renamed = functionalize(nodes, {i.value for i in inputs}, read_after)
+    types = {i.value: i.type for i in inputs} | {o: t for n in nodes for o, t in zip(n.outputs, n.types)}
+    nodes, renamed = functionalize(unreduce(nodes, types), {i.value for i in inputs}, read_after)
+    nodes = draw_in_memory_order(nodes, memory_orders(graph, names))
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
     _refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
@@ -261,7 +265,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         _record_stack_traces()
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
         keys = source.keys or ()
-        with autocast(precision), reads.mode():
+        with autocast(precision), reads.mode() as answered:
             args, kwargs = ((), dict(zip(keys, batch_vals))) if keys else (tuple(batch_vals), None)
             output = torch.func.functional_call(model, state, args, kwargs)
         loss = loss_of(output)
@@ -280,7 +284,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
-        return [loss, *torch.autograd.grad(seed, list(param_vals), allow_unused=True)]
+        grads = torch.autograd.grad(seed, list(param_vals), allow_unused=True)
+        return [answered.checks.apply(loss) if answered is not None else loss, *grads]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
         # a lazy GraphModule: nothing runs the traced module, and generating its Python code
@@ -302,6 +307,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
                 gm = None
         if gm is None:  # again with the reads answered; afresh, as a stamper keeps what it saw
             return trace(Stamper(stamper.repeated) if stamper else None)
+        if stamper and reads.last is not None and reads.last.checks.checks:
+            raise NotStampable  # a check read inside the traced layer would be missing from its copies
         return expand(gm, stamper, names) if stamper else gm.graph
 
     if repeated is None:

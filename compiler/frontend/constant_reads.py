@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from sbpc.compiler.frontend.input_checks import InputChecks
+
 # what ``x.item()``, ``bool(x)`` and ``x.tolist()`` reach the dispatcher as
 _SCALAR_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
 # a constant's producers stay this small (a mask: full, triu, eq, all); a bigger cone is no constant
@@ -29,6 +31,13 @@ _MAX_OPS = 64
 
 
 class ConstantReads(TorchDispatchMode):
+    """Also answers a library's check of its input (``input_checks.py``), which it records in
+    ``checks``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = InputChecks()
+
     @staticmethod
     def when_asked() -> "_Switch":
         return _Switch()
@@ -37,19 +46,26 @@ class ConstantReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _SCALAR_READS:
             value = _constant_value(args[0])
+            if value is None:
+                value = self.checks.answer(args[0])
             if value is not None:
                 return value
         return func(*args, **kwargs)
 
 
 class _Switch:
-    """Off until a trace fails at a read of a value; then on, once."""
+    """Off until a trace fails at a read of a value; then on, once. ``last``: the mode of the
+    latest trace with it on (its input checks)."""
 
     def __init__(self) -> None:
         self.on = False
+        self.last: ConstantReads | None = None
 
     def mode(self):
-        return ConstantReads() if self.on else contextlib.nullcontext()
+        if not self.on:
+            return contextlib.nullcontext()
+        self.last = ConstantReads()
+        return self.last
 
     def retry(self, err: BaseException) -> bool:
         """Whether to trace again with the mode on: ``err`` is a value read, and it was off."""

@@ -234,7 +234,8 @@ class _Cutter:
         if pairs is not None:
             return CompileError(f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}",
                                 location=str(pairs.loc) if pairs.loc else None,
-                                hint="this op relates rows of the batch to each other (a contrastive loss), so a "
+                                hint="this op relates rows of the batch to each other (a contrastive loss; a mixture of "
+                                     "experts sorting the batch's tokens by expert), so a "
                                      "pipeline cannot split it into micro-batches; use --microbatches 1 (dp still "
                                      "splits the batch)")
         if culprit is None:

@@ -176,6 +176,30 @@ def reduce(c, self, dim, keepdim, kind):
     return lp, []
 
 
+@family("histc")
+def histc(c, self, min, max):
+    """``histc``: each element falls in a bin fixed by ``min`` and ``max`` alone, so any split
+    of the input counts its block's elements and the counts add (``P``). With ``min == max``
+    torch takes the range from the data (each block's own extremes would shift the bins):
+    then nothing splits."""
+    if c.value(min) == c.value(max):
+        return None, []
+    lets = letters(len(c.shape(c.tensor(self))))
+    return Loops(ins={c.tensor(self): lets}, outs=[[None]], reduce={x: "sum" for x in lets}), []
+
+
+@family("check_input")
+def check_input(c, x, bad):
+    """``sbpc.check_input(x, bad)``: ``x`` passes through as it is (``B``, ``P``, ``P(max)``);
+    ``bad`` is read for any true element, which each device finds in its own block, so it is
+    ``B`` or split on any dim, whatever ``x`` is."""
+    xk, bk = c.tensor(x), c.tensor(bad)
+    shape = c.shape(bk)
+    splits = [B] + [Split(d, p) for d, n in enumerate(shape) if n != 1 for p in (1, *c.parts)]
+    return None, [Cand({xk: sx, bk: sb}, [sx], f"check {sb!r}")
+                  for sx in (B, Partial("sum"), Partial("max")) for sb in splits]
+
+
 @family("complex_view")
 def complex_view(c, self):
     """``view_as_complex`` ([..., 2] real -> [...] complex) and ``view_as_real`` (back): the
