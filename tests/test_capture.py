@@ -239,7 +239,7 @@ def test_a_label_check_after_a_static_test_reads_every_label(tmp_path, monkeypat
     from sbpc.runtime.backend import make_backend
     from sbpc.runtime.runner import Runner
 
-    (tmp_path / "heads.py").write_text(
+    (tmp_path / "ctc_heads.py").write_text(
         "import torch\n"
         "def loss(logits, labels):\n"
         "    if labels is not None and labels.max() >= 2:  # class 2 is reserved\n"
@@ -247,19 +247,19 @@ def test_a_label_check_after_a_static_test_reads_every_label(tmp_path, monkeypat
         "    return torch.nn.functional.cross_entropy(logits, labels)\n")
     (tmp_path / "model.py").write_text(
         "import torch\n"
-        "import heads\n"
+        "import ctc_heads\n"
         "class Net(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
         "        self.fc = torch.nn.Linear(4, 3)\n"
         "    def forward(self, x, labels):\n"
-        "        return heads.loss(self.fc(x), labels)\n"
+        "        return ctc_heads.loss(self.fc(x), labels)\n"
         "def build_model():\n"
         "    return Net()\n"
         "def example_batch(batch_size):\n"
         "    return torch.randn(batch_size, 4), torch.randint(0, 2, (batch_size,))\n")
-    # heads.py stands for an installed library (Hugging Face's, under site-packages)
-    monkeypatch.setattr(input_checks, "_LIBRARIES", (*input_checks._LIBRARIES, str(tmp_path) + "/heads.py"))
+    # ctc_heads.py stands for an installed library (Hugging Face's, under site-packages)
+    monkeypatch.setattr(input_checks, "_LIBRARIES", (*input_checks._LIBRARIES, str(tmp_path) + "/ctc_heads.py"))
     source = load_model(str(tmp_path / "model.py"), {})
     plan = compile_model(source, parse_mesh("1"), batch_size=4, optimizer=OptimizerConfig()).plan
     check = [i for s in plan.stages for i in s.instructions if i.op == "sbpc.check_input.default"]
