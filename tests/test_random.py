@@ -285,3 +285,29 @@ def test_a_draw_in_memory_order_is_permuted_back():
     draw = next(i for i in ins if i.op == "aten.bernoulli.p")
     back = next(i for i in ins if i.op == "aten.permute.default" and i.args[0].ref == draw.outs[0])
     assert list(draw.types[0].shape) == [4, 6, 6, 8] and back.args[1] == [0, 3, 1, 2]
+
+
+def test_the_float64_twin_draws_float32s_numbers():
+    """sbpc check's float64 twin under Float32Draws: ``torch.rand(dtype=float64)`` (stochastic
+    depth's mask) and an in-place ``uniform_`` give float32's numbers, widened, and leave the
+    generator where float32 left it; without it float64 draws other numbers."""
+    from sbpc.compiler.tools.check_dropout import Float32Draws
+
+    torch.manual_seed(0)
+    ref = torch.rand(6), torch.empty(3).uniform_(-1, 1), torch.randn(2)
+    torch.manual_seed(0)
+    with Float32Draws():
+        got = torch.rand(6, dtype=torch.float64), torch.empty(3, dtype=torch.float64).uniform_(-1, 1), \
+            torch.randn(2, dtype=torch.float64)
+    assert all(g.dtype == torch.float64 and torch.equal(g, r.double()) for g, r in zip(got, ref))
+    torch.manual_seed(0)
+    assert not torch.equal(torch.rand(6, dtype=torch.float64), ref[0].double())
+
+
+def test_stochastic_depth_keeps_the_float64_reference():
+    """SegFormer (tests/zoo/segformer.py: drop-path and classifier dropout) on 2x2: without
+    float32's draws the twin computed another function, the biases under BatchNorm (exact
+    gradient 0) were judged on the floor alone, and a correct plan read 8.2e-5 (FAIL)."""
+    r = sbpc_check("tests/zoo/segformer.py", "--mesh", "2x2")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+    assert "no float64 reference" not in r.stdout, r.stdout

@@ -18,6 +18,12 @@ into another mask, and the check would fail a correct plan. So on a GPU eager ru
 
 On the CPU none of this is needed (eager's dropout is the composite form there), so
 ``plan_dropout`` adds nothing; tests/test_random.py shows each piece equals the CPU's to the bit.
+
+The float64 twin that measures eager's own rounding error (``Eager.rounding_noise``) must draw
+what float32 eager drew: ``torch.rand(..., dtype=x.dtype)`` (stochastic depth's mask) gives other
+numbers in float64 from the same seed, and the twin then computes another function and cannot
+stand in. ``Float32Draws`` makes every seeded random op of a float64 tensor in float32 and widens
+the result.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -100,3 +107,32 @@ def _dropout_args(func, args, kwargs) -> tuple:
         return bound.get("input"), bound["p"], bound["training"], bound["inplace"]
     bound = {**dict(zip(("input", "p", "train"), args)), **kwargs}
     return bound.get("input"), bound.get("p"), bound.get("train"), func is torch.dropout_
+
+
+class Float32Draws(TorchDispatchMode):
+    """A seeded random op (``rand``, ``uniform_``, ``normal_``, ``bernoulli``, ...) asked for float64
+    draws in float32, from the same generator, and widened: float32's numbers in float64, the
+    generator advanced as float32 eager advanced it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or "out" in kwargs:
+            return func(*args, **kwargs)
+        wide = [False]
+
+        def narrow(x):
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+                wide[0] = True
+                return x.float()
+            if x is torch.float64:
+                wide[0] = True
+                return torch.float32
+            return x
+
+        args32, kwargs32 = tree_map(narrow, args), tree_map(narrow, kwargs)
+        if not wide[0]:
+            return func(*args, **kwargs)
+        out = func(*args32, **kwargs32)
+        if torch.Tag.inplace in func.tags:  # drawn into the float32 copy of self: back into self
+            return args[0].copy_(args32[0])
+        return tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
