@@ -12,13 +12,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import importlib.util
-import inspect
 import logging
 import operator
 import os
 import re
 import traceback
-from collections.abc import Mapping
 from dataclasses import replace
 from unittest import mock
 
@@ -51,10 +49,11 @@ from sbpc.compiler.frontend.stamp_expand import expand
 from sbpc.compiler.ir.types import Graph, GraphInput, GraphOutput, InputKind, Node, OutputKind, Ref, Role, producers, rename_uses
 from sbpc.compiler.ir.aten import is_mutating, shares_storage
 from sbpc.compiler.ir.mesh import Mesh
-from sbpc.compiler.frontend.model_loader import CONTRACT_HINT, ModelSource, display_path, user_location
+from sbpc.compiler.frontend.model_loader import (CONTRACT_HINT, ModelSource, display_path, function_location,
+                                                 scalar_loss, user_location)
 from sbpc.compiler.frontend.optim import OptimizerConfig, append_optimizer
 from sbpc.runtime.kinds import Precision
-from sbpc.runtime.model_file import loss_of, model_name
+from sbpc.runtime.model_file import model_name
 from sbpc.runtime.plan import PrecisionSpec
 from sbpc.runtime.precision import autocast
 from sbpc.errors import CaptureError, ModelError, SbpcError
@@ -268,19 +267,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         with autocast(precision), reads.mode() as answered:
             args, kwargs = ((), dict(zip(keys, batch_vals))) if keys else (tuple(batch_vals), None)
             output = torch.func.functional_call(model, state, args, kwargs)
-        loss = loss_of(output)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            where = forward_loc
-            if loss is output and isinstance(output, Mapping):  # a Hugging Face output without a loss
-                got = f"{got} without a loss (keys: {', '.join(output.keys())})"
-                if where is None or not _same_file(where, source.path):  # a library's forward: the
-                    where = _function_location(source.module.example_batch)  # batch that gave no labels
-            elif loss is not output:
-                got += f" first, in a {type(output).__name__}"
-            raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=where,
-                             hint="reduce the loss to a 0-dim tensor, e.g. with .mean(); a Hugging Face model "
-                                  "computes it when example_batch gives it labels")
+        loss = scalar_loss(output, source, forward_loc)
         # Makes autograd tag backward nodes with the seq_nr of their forward op.
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
@@ -421,18 +408,7 @@ class _FailedFakeKernel(logging.Filter):
 
 
 def _forward_location(model: torch.nn.Module) -> str | None:
-    return _function_location(type(model).forward)
-
-
-def _function_location(fn) -> str | None:
-    try:
-        return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
-    except (TypeError, OSError):
-        return None
-
-
-def _same_file(location: str, path: str) -> bool:
-    return os.path.abspath(location.rpartition(":")[0]) == os.path.abspath(path)
+    return function_location(type(model).forward)
 
 
 @contextlib.contextmanager

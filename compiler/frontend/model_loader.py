@@ -13,12 +13,13 @@ import functools
 import inspect
 import os
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
 from sbpc.errors import ModelError, UsageError
-from sbpc.runtime.model_file import batch_tuple, import_model_file
+from sbpc.runtime.model_file import batch_tuple, import_model_file, loss_of
 
 CONTRACT_HINT = ("define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) -> a tensor, a tuple of "
                  "tensors, or a dict of them by forward()'s argument names")
@@ -124,6 +125,36 @@ def check_batch(batch: Any, source: ModelSource) -> tuple[tuple, tuple[str, ...]
                              "input must be a tensor", hint="pass constant arguments of forward() through "
                              "build_model (a module attribute) or give them defaults")
     return tensors, keys
+
+
+def scalar_loss(output: Any, source: ModelSource, forward_loc: str | None):
+    """The loss among forward()'s results (``loss_of``), or a ModelError at ``forward_loc``, or at
+    the user's ``example_batch`` where a library's output came without a loss (Hugging Face's,
+    given no labels)."""
+    import torch
+
+    loss = loss_of(output)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    where = forward_loc
+    if loss is output and isinstance(output, Mapping):
+        got = f"{got} without a loss (keys: {', '.join(output.keys())})"
+        if where is None or os.path.abspath(where.rpartition(":")[0]) != os.path.abspath(source.path):
+            where = function_location(source.module.example_batch)
+    elif loss is not output:
+        got += f" first, in a {type(output).__name__}"
+    raise ModelError(f"forward() must return the scalar loss, but returned {got}", location=where,
+                     hint="reduce the loss to a 0-dim tensor, e.g. with .mean(); a Hugging Face model computes it "
+                          "when example_batch gives it labels")
+
+
+def function_location(fn) -> str | None:
+    """``file:line`` of ``fn``'s definition (None where Python cannot tell)."""
+    try:
+        return f"{display_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return None
 
 
 def user_location(err: BaseException, path: str) -> str | None:
