@@ -8,7 +8,7 @@ an edited plan); ``culprit`` is the substring (or the substrings) the error line
 in this process through ``cli.main`` (fast); ``SUBPROCESS`` picks a few that also run as the
 real console script, to prove the exit code and the absence of a traceback end to end.
 To add a case, add a row: the checks come with it. ``Case`` and the setups are in
-``tests/bad_input_setups.py``.
+``tests/bad_input_setups.py``; the model-file rows in ``tests/bad_model_files.py``.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from bad_input_setups import (DP4, EDITED, GPT_TP, MLP, RESUME, Case, chain, checkpointed, compiled, compiled_lm,
-                              config_case, edit_json, flip_in, garble_header, index_edit, recompiled_model, set_at,
+                              config_case, edit_json, flip_in, garble_header, index_edit, set_at,
                               shard_edit, truncate, write)
+from bad_model_files import MODEL_FILE_CASES
 from conftest import sbpc
 from sbpc.runtime.plan import SCHEMA_VERSION
 
@@ -135,172 +136,7 @@ CASES = [
          "batch.0 has shape [6, 32]: its batch dim does not divide over mb=4 x dp=2; "
          "hint: use a --batch-size that is a multiple of 8"),
     # --- model files ------------------------------------------------------------------------
-    Case("model-missing", ["compile", "nope/missing.py"], "model file 'nope/missing.py' does not exist"),
-    Case("model-syntax-error", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("syntax error in model file", "{tmp}/model.py:3"),
-         write("model.py", "import torch\n\ndef build_model(:\n    pass\n")),
-    Case("model-import-fails", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("No module named 'no_such_package'", "model.py:2"),
-         write("model.py", "import torch\nimport no_such_package\n")),
-    Case("model-no-build-model", ["compile", "tests/models/no_build.py"], "has no function build_model()"),
-    Case("model-build-raises", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("build_model() failed", "model.py:4"),
-         write("model.py", """
-             import torch
-
-             def build_model():
-                 raise RuntimeError("out of ideas")
-
-             def example_batch(batch_size):
-                 return (torch.randn(batch_size, 4),)
-             """)),
-    Case("model-batch-not-tensors", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         "example_batch() in {tmp}/model.py must return a tensor, a tuple of tensors or a dict of them, got str",
-         write("model.py", """
-             import torch
-
-             def build_model():
-                 return torch.nn.Linear(4, 1)
-
-             def example_batch(batch_size):
-                 return "tokens"
-             """)),
-    Case("model-batch-dict-not-tensor", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         "example_batch() in {tmp}/model.py returned bool as 'use_cache'; every batch input must be a tensor",
-         write("model.py", """
-             import torch
-
-             def build_model():
-                 return torch.nn.Linear(4, 1)
-
-             def example_batch(batch_size):
-                 return {"input": torch.randn(batch_size, 4), "use_cache": False}
-             """)),
-    # a Hugging Face model given no labels: its output has no loss
-    Case("model-output-without-loss", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("forward() must return the scalar loss, but returned Out without a loss (keys: logits)", "model.py:7"),
-         write("model.py", """
-             import torch
-
-             class Out(dict):
-                 pass
-
-             class Net(torch.nn.Linear):
-                 def forward(self, x):
-                     return Out(logits=super().forward(x))
-
-             def build_model():
-                 return Net(4, 2)
-
-             def example_batch(batch_size):
-                 return {"x": torch.randn(batch_size, 4)}
-             """)),
-    # ... from a library's forward (Hugging Face's): the user's line is the batch without labels
-    Case("model-library-output-without-loss", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("returned Out without a loss (keys: logits)", "model.py:7"),
-         chain(write("lib.py", """
-             import torch
-
-             class Out(dict):
-                 pass
-
-             class Net(torch.nn.Linear):
-                 def forward(self, x, labels=None):
-                     return Out(logits=super().forward(x))
-             """), write("model.py", """
-             import torch
-             from lib import Net
-
-             def build_model():
-                 return Net(4, 2)
-
-             def example_batch(batch_size):
-                 return {"x": torch.randn(batch_size, 4)}
-             """))),
-    Case("model-batch-unsupported-dtype", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         "tensors of dtype torch.uint16 are not supported yet",
-         write("model.py", """
-             import torch
-
-             class Net(torch.nn.Module):
-                 def __init__(self):
-                     super().__init__()
-                     self.emb = torch.nn.Embedding(16, 4)
-
-                 def forward(self, ids):
-                     return self.emb(ids.long()).sum()
-
-             def build_model():
-                 return Net()
-
-             def example_batch(batch_size):
-                 return (torch.zeros(batch_size, 8, dtype=torch.uint16),)
-             """)),
-    Case("model-batch-changed-since-compile", ["run", "{tmp}/plan.json", "--steps", "1"],
-         "batch has 1 tensors, the plan takes 2", lambda tmp: recompiled_model(tmp)),
-    Case("model-forward-not-scalar", ["compile", "tests/models/not_scalar.py", "-o", "{tmp}/p.json"],
-         "forward() must return the scalar loss, but returned a tensor of shape [4, 2] (at tests/models/not_scalar.py:9)"),
-    Case("model-data-dependent-if", ["compile", "tests/models/data_dependent.py", "-o", "{tmp}/p.json"],
-         "cannot trace forward(): data-dependent control flow (at tests/models/data_dependent.py:11)"),
-    # a check of the labels in a library the model calls (Hugging Face's CTC heads): the line that
-    # reads the value is named, then the user's
-    Case("model-data-dependent-in-a-library", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         "cannot trace forward(): data-dependent control flow at {tmp}/heads.py:4 (at {tmp}/model.py:9)",
-         chain(write("heads.py", """
-             import torch
-
-             def loss(logits, labels):
-                 if labels.max() >= logits.shape[-1]:
-                     raise ValueError("label out of range")
-                 return torch.nn.functional.cross_entropy(logits, labels)
-             """), write("model.py", """
-             import torch
-             import heads
-
-             class Net(torch.nn.Module):
-                 def __init__(self):
-                     super().__init__()
-                     self.fc = torch.nn.Linear(4, 3)
-                 def forward(self, x, labels):
-                     return heads.loss(self.fc(x), labels)
-
-             def build_model():
-                 return Net()
-
-             def example_batch(batch_size):
-                 return torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,))
-             """))),
-    Case("model-value-dependent-shape", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
-         ("cannot trace forward(): aten.nonzero.default makes a tensor whose shape depends on tensor values "
-          "(at {tmp}/model.py:8)", "keep shapes static"),
-         write("model.py", """
-             import torch
-
-             class Net(torch.nn.Module):
-                 def __init__(self):
-                     super().__init__()
-                     self.fc = torch.nn.Linear(4, 4)
-                 def forward(self, x):
-                     return self.fc(x)[x > 0].sum()  # the selected count depends on x
-
-             def build_model():
-                 return Net()
-
-             def example_batch(batch_size):
-                 return (torch.randn(batch_size, 4),)
-             """)),
-    Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
-         ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
-          "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),
-    Case("model-moe-grouped-mm", ["compile", "tests/models/moe_grouped_mm.py", "-o", "{tmp}/p.json"],
-         ("cannot trace forward(): RuntimeError", "(in aten._grouped_mm.default) (at tests/models/moe_grouped_mm.py:17)",
-          "does not support MoE layers yet")),
-    Case("model-buffer-update-with-micro-batches", ["compile", "tests/models/mlp_bn.py", "--mesh", "1x1x2",
-                                                    "--microbatches", "2", "-o", "{tmp}/p.json"],
-         ("forward() updates buffer", "not supported with 2 micro-batches yet", "--microbatches 1")),
-    Case("model-converts-built-module", ["compile", "tests/models/to_dtype.py", "-o", "{tmp}/p.json"],
-         ("build_model() failed", "Couldn't swap Linear.weight (at tests/models/to_dtype.py:9)",
-          "create the parameters in their dtype instead")),
+    *MODEL_FILE_CASES,  # tests/bad_model_files.py
     # --- plan files -------------------------------------------------------------------------
     Case("plan-missing", ["run", "does/not/exist.json"], "plan file 'does/not/exist.json' does not exist"),
     Case("plan-not-json", ["run", "{tmp}/plan.json"], ("is not valid JSON", "plan.json:1:"),
