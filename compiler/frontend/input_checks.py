@@ -7,18 +7,18 @@ loss accepts, it is not taken. So when a read is
 
 - on a line of an installed library (torch, Hugging Face: under site-packages; not the user's
   own code, whose branches stay refused: which way one goes is the model's meaning), and
-- the whole test of an ``if`` or ``elif`` (``if T:`` or ``if not T:``, nothing combined with
-  ``and``/``or`` or chained, the read the branch's own truth test, not a ``bool()`` inside it)
-  whose body only raises,
+- the whole test of an ``if`` or ``elif`` (``if T:`` or ``if not T:``, or the last operand of
+  an ``and``/``or`` whose other operands no tensor decides; no chained comparison; the read the
+  branch's own truth test, not a ``bool()`` inside it) whose body only raises,
 
 ``ConstantReads`` answers the value that passes, and the check is recorded: at the end of the
 traced step the loss goes through ``sbpc.check_input(loss, bad, message)``
 (``runtime/input_checks.py``), which raises the library's error at run time when any element of
 ``bad`` is true (a ``ValueError`` with the library's text and lines). A plan therefore refuses
-the step eager refuses, on that step's values.
-An ``and``/``or`` whose operands before the last are predicates no tensor decides
-(``labels is not None and labels.max() >= vocab``, Hugging Face's CTC heads) has its last
-operand for its truth, the others being the trace's own. ``bad`` is the test's tensor (negated
+the step eager refuses, on that step's values. In an ``and``/``or`` the operands before the
+last are predicates no tensor decides (``labels is not None and labels.max() >= vocab``,
+Hugging Face's CTC heads), decided by the trace's own values, so the last operand is the test's
+truth. ``bad`` is the test's tensor (negated
 for ``if not T``); a full ``any`` is dropped for the elements it reads, and ``max(y) >= c`` made
 ``y >= c`` (``unreduce``), so the check splits with them (each rank checks its block, a
 micro-batch its rows) instead of gathering them. The check runs where the loss is made: a bad
