@@ -1,7 +1,7 @@
 """Hugging Face BEiT for image classification (a relative position bias per layer, read through
 an index that Hugging Face builds once per window size and keeps in a process-wide
 ``lru_cache``; layer scale; mean pooling), built from a tiny config with random weights (no
-download). The model is unmodified; this file adapts it to the sbpc model contract. Drop path
+download). The model is used as it is: a dict batch and the loss of its output. Drop path
 and dropout are off so that parity with eager is exact."""
 import torch
 from transformers import BeitConfig, BeitForImageClassification
@@ -14,20 +14,11 @@ def _config(layers=2, hidden=64, heads=4, ffn=128, image=16, patch=4, labels=10)
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-class WithLoss(torch.nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.model = BeitForImageClassification(cfg)
-
-    def forward(self, pixel_values, labels):
-        return self.model(pixel_values=pixel_values, labels=labels).loss
-
-
 def build_model(**kw):
-    return WithLoss(_config(**kw))
+    return BeitForImageClassification(_config(**kw))
 
 
 def example_batch(batch_size, **kw):
     cfg = _config(**kw)
-    return (torch.randn(batch_size, 3, cfg.image_size, cfg.image_size),
-            torch.randint(0, cfg.num_labels, (batch_size,)))
+    return {"pixel_values": torch.randn(batch_size, 3, cfg.image_size, cfg.image_size),
+            "labels": torch.randint(0, cfg.num_labels, (batch_size,))}

@@ -1,6 +1,6 @@
 """Hugging Face ViT for image classification (patch embedding by a strided convolution, a class
 token, learned position embeddings, pre-LayerNorm encoder), built from a tiny config with random
-weights (no download). The model is unmodified; this file adapts it to the sbpc model contract.
+weights (no download). The model is used as it is: a dict batch and the loss of its output.
 Its class token and position embeddings are drawn by ``nn.init.trunc_normal_``, whose rejection
 loop the init program runs as one op (``runtime/init_ops.py``). Dropout is off so that parity
 with eager is exact."""
@@ -14,20 +14,11 @@ def _config(layers=2, hidden=64, heads=4, ffn=128, image=16, patch=4, labels=10)
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-class WithLoss(torch.nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.model = ViTForImageClassification(cfg)
-
-    def forward(self, pixel_values, labels):
-        return self.model(pixel_values=pixel_values, labels=labels).loss
-
-
 def build_model(**kw):
-    return WithLoss(_config(**kw))
+    return ViTForImageClassification(_config(**kw))
 
 
 def example_batch(batch_size, **kw):
     cfg = _config(**kw)
-    return (torch.randn(batch_size, 3, cfg.image_size, cfg.image_size),
-            torch.randint(0, cfg.num_labels, (batch_size,)))
+    return {"pixel_values": torch.randn(batch_size, 3, cfg.image_size, cfg.image_size),
+            "labels": torch.randint(0, cfg.num_labels, (batch_size,))}
