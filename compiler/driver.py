@@ -16,6 +16,7 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
+from sbpc.compiler.passes.schedule import WholeBatchOverMicrobatches
 from sbpc.compiler.memory.estimate import fits
 from sbpc.compiler.sbp.cost_model import MEMORY_PRICES
 from sbpc.errors import CompileError
@@ -45,8 +46,8 @@ def compile_model(source: ModelSource, mesh: Mesh, *, batch_size: int, optimizer
     with no_cycle_collection(collect_after=not ctx.process_exits):  # one pause: capture and passes nest in it
         graph, mesh, pipeline = _capture_fitting_microbatches(source, mesh, batch_size, optimizer, config, memory,
                                                               pipeline, ctx, passes)
-        result = compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx,
-                                  passes=passes, pipeline=pipeline, memory=memory)
+        result, pipeline = _compile_or_one_microbatch(graph, source, batch_size, optimizer, config, memory, pipeline,
+                                                      ctx, passes)
         result.timings["capture"] = time.perf_counter() - t0 - result.timings["total"]
         result.timings["total"] += result.timings["capture"]
     if enforce_budget and memory.device_memory is not None:
@@ -75,6 +76,38 @@ def _capture_fitting_microbatches(source: ModelSource, mesh: Mesh, batch_size: i
     pipeline = replace(pipeline, microbatches=1, microbatches_default=False)
     mesh = mesh.with_microbatches(1)
     return capture(source, mesh, batch_size, optimizer, config, precision), mesh, pipeline
+
+
+def _compile_or_one_microbatch(graph: Graph, source: ModelSource, batch_size: int, optimizer: OptimizerConfig,
+                               config: ParallelConfig | None, memory: MemoryOptions, pipeline: PipelineOptions,
+                               ctx: CompileContext, passes) -> tuple[CompileResult, PipelineOptions]:
+    """The passes over ``graph``. A step that reads the whole batch at once (a contrastive loss; a
+    mixture of experts sorting the batch's tokens by expert) cannot be split into micro-batches:
+    where the count was only the default, it runs one micro-batch a step, with a note, like a
+    model that updates buffers; a count the user asked for is refused (the schedule pass's
+    ``WholeBatchOverMicrobatches``, with its hint). The first try's warnings are held back, so
+    the retry prints each once."""
+    if not pipeline.microbatches_default or passes is not None or pipeline.microbatches == 1:
+        return compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx,
+                                passes=passes, pipeline=pipeline, memory=memory), pipeline
+    held = io.StringIO()
+    try:
+        return compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer,
+                                ctx=replace(ctx, log=held), pipeline=pipeline, memory=memory), pipeline
+    except WholeBatchOverMicrobatches as err:
+        held = None
+        where = f" (at {err.location})" if err.location else ""
+        print(f"sbpc: note: {err.message.split(', so ')[0]}: running 1 micro-batch a step instead of the default "
+              f"{pipeline.microbatches}, so the pipeline's stages do not overlap{where}", file=ctx.log)
+    finally:
+        if held is not None:  # the try's warnings are the user's, unless it is tried again
+            ctx.log.write(held.getvalue())
+    ctx.estimates.clear()
+    pipeline = replace(pipeline, microbatches=1, microbatches_default=False)
+    graph = capture(source, graph.mesh.with_microbatches(1), batch_size, optimizer, config,
+                    precision_spec(memory.precision))
+    return compile_captured(graph, source, batch_size=batch_size, optimizer=optimizer, ctx=ctx, pipeline=pipeline,
+                            memory=memory), pipeline
 
 
 def _refuse_over_budget(roles, captured: Graph, source: ModelSource, mesh: Mesh, *, memory: MemoryOptions,

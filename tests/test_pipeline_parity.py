@@ -186,10 +186,15 @@ def test_vision_ops_without_a_batch_split_before_parity(mesh):
 
 def test_a_batch_statistic_fed_back_into_each_sample_is_refused_by_name():
     """It was an internal-sounding "runs once a step ... report this plan"; now the user's line
-    and a hint that is true: one micro-batch runs it on the same mesh."""
+    and a hint that is true: one micro-batch runs it on the same mesh. With no --microbatches
+    the pipeline runs one micro-batch a step by itself, and says why."""
     from conftest import sbpc
 
     r = sbpc("check", "tests/models/batch_statistic.py", "--mesh", "1x1x2", "--ranks", "threads")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("sbpc: note: a sum over the whole batch is needed by every micro-batch's backward" in r.stderr
+            and "running 1 micro-batch a step instead of the default 2" in r.stderr), r.stderr
+    r = sbpc("check", "tests/models/batch_statistic.py", "--mesh", "1x1x2", "--microbatches", "2", "--ranks", "threads")
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     line = r.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in line, line

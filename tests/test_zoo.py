@@ -9,8 +9,8 @@ a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent mode
 ``nn.GRU``, and the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read
 from a tensor while building) and Swin (shifted windows; an ``as_strided`` pooler). Llama also runs
 with its shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
-Mixtral (a mixture of experts) runs on dp and on one micro-batch only; a pipeline refuses its
-sort of the batch's tokens by expert (its own test).
+Mixtral (a mixture of experts) runs on dp and on one micro-batch only: a pipeline asked for more
+refuses its sort of the batch's tokens by expert (its own test), and a default count becomes one.
 """
 from __future__ import annotations
 
@@ -227,6 +227,24 @@ def test_pipeline_names_the_op_that_relates_rows_of_the_batch():
     plan = compile_model(load_model("tests/models/contrastive.py", {}), parse_mesh("2"), batch_size=4,
                          optimizer=CHECK_OPT).plan
     assert check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads").passed
+
+
+def test_a_default_micro_batch_count_runs_a_whole_batch_step_as_one_micro_batch(capsys):
+    """`sbpc check` of the contrastive model on 1x1x2 with no flags: the default count (pp)
+    cannot split its step, so the pipeline runs one micro-batch a step and says why, naming the
+    op and the user's line; the propagation's warnings are printed once, not once per try. A
+    count the user asks for is refused as above."""
+    from sbpc.cli import main
+
+    args = ["check", "tests/models/contrastive.py", "--mesh", "1x1x2", "--batch-size", "4", "--ranks", "threads"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert ("sbpc: note: aten.mm.default reads the whole batch with one micro-batch's rows: running 1 micro-batch "
+            "a step instead of the default 2") in err, err
+    assert "tests/models/contrastive.py:14" in err, err
+    assert len(set(err.splitlines())) == len(err.splitlines()), err
+    assert main(args + ["--microbatches", "2"]) == 2
+    assert "reads the whole batch with one micro-batch's rows" in capsys.readouterr().err
 
 
 # ----- Mixtral: a sparse mixture of experts (Hugging Face's grouped experts on CPU)

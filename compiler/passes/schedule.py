@@ -41,6 +41,12 @@ from sbpc.runtime.kinds import Collective, ScheduleName
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
 from sbpc.runtime.sbp import Broadcast, Split, local_shape
 
+class WholeBatchOverMicrobatches(CompileError):
+    """An op must see the whole batch at once (a contrastive loss, a mixture of experts sorting the
+    batch's tokens), so the step cannot be split into micro-batches. The driver then runs a
+    default micro-batch count as one micro-batch; a count the user asked for is refused."""
+
+
 _SEQUENTIAL_OK = {k.op for k in SEQUENTIAL_STEPS}  # what may run over micro-batches
 # the *_like factories of a backward seed, by the value they fill in (full_like: its argument)
 _SEED_FILL = {"aten.ones_like.default": 1.0, "aten.zeros_like.default": 0.0, "aten.full_like.default": None}
@@ -209,7 +215,7 @@ class _Cutter:
     def _is_mb_reduce(self, n: Node) -> bool:
         return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH
 
-    def _whole_batch_error(self, nodes: list[Node], at: int) -> CompileError:
+    def _whole_batch_error(self, nodes: list[Node], at: int) -> WholeBatchOverMicrobatches:
         """The error for a collective over micro-batches, naming the op that makes it needed: the
         solver may gather anywhere upstream of an op that must see the whole batch, so the first
         op among the whole-batch values downstream that has no SBP rule, or that reads them with
@@ -232,18 +238,18 @@ class _Cutter:
             seen.update(o for o in m.outputs if not self.per_mb(o))
         what = f"{n.args[0]} would be gathered over micro-batches ({n.op})"
         if pairs is not None:
-            return CompileError(f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}",
+            return WholeBatchOverMicrobatches(f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}",
                                 location=str(pairs.loc) if pairs.loc else None,
                                 hint="this op relates rows of the batch to each other (a contrastive loss; a mixture of "
                                      "experts sorting the batch's tokens by expert), so a "
                                      "pipeline cannot split it into micro-batches; use --microbatches 1 (dp still "
                                      "splits the batch)")
         if culprit is None:
-            return CompileError(f"{what}: an op reads the whole batch at once",
+            return WholeBatchOverMicrobatches(f"{what}: an op reads the whole batch at once",
                                 location=str(n.loc) if n.loc else None,
                                 hint="every op downstream has a rule, but none offers a signature that keeps the batch "
                                      "split for these shapes (docs/sbp_rules.md); use --microbatches 1")
-        return CompileError(f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}",
+        return WholeBatchOverMicrobatches(f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}",
                             location=str(culprit.loc) if culprit.loc else None,
                             hint=f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 "
                                  f"or add a rule for {culprit.op} (docs/sbp_rules.md)")
@@ -462,13 +468,14 @@ def _rename(n: Node, renames: dict[str, str]) -> Node:
     return rename_uses(n, lambda u: renames.get(u, u))
 
 
-def _gradient_of_a_batch_value_error(n: Node) -> CompileError:
+def _gradient_of_a_batch_value_error(n: Node) -> WholeBatchOverMicrobatches:
     """A micro-batch's op that must wait for a sum over every micro-batch made after the forward:
     the gradient of a statistic of the whole batch (a mean over the batch dim added back into
     each sample), which every micro-batch's backward needs before it can go on. Named at the op:
     a backward op carries its forward op's line, the statistic's."""
-    return CompileError(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), so no "
-                        "micro-batch can finish before all have: a pipeline cannot split this step",
-                        location=str(n.loc) if n.loc else None,
-                        hint="a statistic over the batch dim (a mean or max over samples) whose gradient flows back "
-                             "into each sample: compute it per sample, or run with --microbatches 1")
+    return WholeBatchOverMicrobatches(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), "
+                                      "so no micro-batch can finish before all have: a pipeline cannot split this step",
+                                      location=str(n.loc) if n.loc else None,
+                                      hint="a statistic over the batch dim (a mean or max over samples) whose gradient "
+                                           "flows back into each sample: compute it per sample, or run with "
+                                           "--microbatches 1")

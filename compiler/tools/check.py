@@ -352,8 +352,9 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         # that is the small residue of large terms (a KL divergence of close distributions)
         loss_scale = max(abs(float(loss)), 1e-12, loss_noise / NOISE_RESOLUTION)
         row.loss.update("loss", deviation(torch.tensor(result.loss), loss, loss_scale))
-        if why and why not in report.notes:
-            report.notes.append(why + ": gradients judged on their scale and the floor alone")
+        note = why and why + ": gradients judged on their scale and the floor alone"
+        if note and note not in report.notes:  # once, though every step finds it
+            report.notes.append(note)
         if finite:
             for name, dev in grad_deviations(result.grads, refs, noise).items():
                 row.grads.update(name, dev)
