@@ -9,8 +9,8 @@ a decoder made of PyTorch's own ``nn.TransformerEncoderLayer``, a recurrent mode
 ``nn.GRU``, and the image classifiers ViT (truncated-normal init), ConvNeXt (drop-path rates read
 from a tensor while building) and Swin (shifted windows; an ``as_strided`` pooler). Llama also runs
 with its shipped Megatron config (examples/hf_llama.megatron.toml), whose collectives are counted.
-Mixtral (a mixture of experts) runs on dp and on one micro-batch only: a pipeline asked for more
-refuses its sort of the batch's tokens by expert (its own test), and a default count becomes one.
+Mixtral and GPT-OSS (mixtures of experts) have their experts split as row-wise regions on dp and
+micro-batches (their own tests).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ ZOO = {
     "vit": "tests/zoo/vit.py",
     "convnext": "tests/zoo/convnext.py",
     "swin": "tests/zoo/swin.py",
+    "mixtral": "tests/zoo/mixtral.py",
 }
 COMPILE_MESHES = ["2x2", "2x2x2"]
 BATCH = 4
@@ -249,24 +250,34 @@ def test_a_default_micro_batch_count_runs_a_whole_batch_step_as_one_micro_batch(
 
 # ----- Mixtral: a sparse mixture of experts (Hugging Face's grouped experts on CPU)
 
-def test_mixtral_counts_tokens_per_expert_as_a_partial_sum_and_pipelines_name_the_token_sort():
-    """The tokens per expert are ``histc`` of the sorted expert ids, a partial sum on a split
-    input (it once had no rule, and a pipeline refused naming it). What a pipeline still cannot
-    split is the sort of every token of the batch by expert: a micro-batch's hidden states are
-    read with the whole batch's permutation, and the error names that read. dp runs the layer on
-    the gathered tokens, and one micro-batch pipelines it."""
-    from sbpc.errors import CompileError
-
+def test_mixtral_experts_split_as_a_row_wise_region_on_dp_and_micro_batches():
+    """Hugging Face sorts every token it is given by expert, which no per-op rule splits: dp
+    gathered the tokens and ran every expert on the whole batch, and a pipeline refused to
+    split it into micro-batches. The experts module is a function of each token alone, so its
+    ops are split as one row-wise region (compiler/sbp/rowwise.py): on dp the plan moves what
+    data parallelism must and nothing more, one all-reduce per gradient and the loss's (the
+    experts' weight gradients are partial sums now), plus the loss's token count gathered; and
+    a pipeline runs it in micro-batches (the zoo's 1x2x2 check runs 4)."""
     source = load_model("tests/zoo/mixtral.py", {})
-    with pytest.raises(CompileError) as err:
-        compile_model(source, parse_mesh("1x1x2"), batch_size=BATCH, optimizer=CHECK_OPT,
-                      pipeline=PipelineOptions(microbatches=2))
-    assert err.value.message.startswith("aten.index.Tensor reads the whole batch with one micro-batch's rows"), \
-        err.value.message
-    assert "mlp.experts" in str(err.value.location), err.value.location
-    for mesh, microbatches in (("2x2", 1), ("2x1x2", 1)):
-        plan = compile_model(source, parse_mesh(mesh), batch_size=BATCH, optimizer=CHECK_OPT,
-                             pipeline=PipelineOptions(microbatches=microbatches)).plan
-        report = check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads")
-        print(f"\nzoo mixtral on {mesh}: largest deviation {report.worst[0]:.2e} ({report.worst[1]})")
-        assert report.passed, report.table()
+    result = compile_model(source, parse_mesh("2"), batch_size=BATCH, optimizer=CHECK_OPT)
+    assert result.graph.rowwise == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    moved = Counter((c.kind, c.axis) for c in collectives(result.plan) if c.moves_data)
+    params = len(result.plan.params)
+    gathered = [c for c in collectives(result.plan) if c.kind == "all_gather"]
+    assert moved[("all_reduce", "dp")] == params + 1, moved
+    assert len(gathered) == 1 and gathered[0].nbytes == BATCH * 16 // 2, gathered  # the loss's mask, bool
+    plan = compile_model(source, parse_mesh("2x1x2"), batch_size=BATCH, optimizer=CHECK_OPT,
+                         pipeline=PipelineOptions(microbatches=2)).plan
+    assert plan.pipeline.microbatches == 2
+
+
+def test_gpt_oss_experts_with_biases_split_as_a_row_wise_region():
+    """GPT-OSS's experts add a bias per expert (gathered by the sorted expert ids; its gradient
+    is accumulated into a tensor of the experts' shape: a partial sum), and autograd sums the
+    gradient of its gate-and-up output at the loss's line, outside the module: those sums join
+    the region. On 2x1x2 its two micro-batches each sort their own tokens."""
+    plan = compile_model(load_model("tests/zoo/gpt_oss.py", {}), parse_mesh("2x1x2"), batch_size=BATCH,
+                         optimizer=CHECK_OPT, pipeline=PipelineOptions(microbatches=2)).plan
+    report = check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads")
+    print(f"\nzoo gpt_oss on 2x1x2: largest deviation {report.worst[0]:.2e} ({report.worst[1]})")
+    assert report.passed, report.table()

@@ -34,6 +34,7 @@ from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type, value_name
 from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.as_strided import plain_views
+from sbpc.compiler.frontend.rowwise_modules import rowwise_modules
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
@@ -88,6 +89,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
                 scale = [torch.empty((), dtype=torch.float32)] if precision.loss_scaling else []
                 repeated = find_repeated(model, config) if stamp else None
                 graph = _trace_joint(model, source, params, buffers, batch, precision.compute, scale, repeated)
+            rowwise = rowwise_modules(model)
             init_nodes, init_outputs = recorder.to_init_region(params + buffers)
     finally:
         ACTIVE.reset(token)
@@ -137,7 +139,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     outputs += [GraphOutput(OutputKind.UPDATE, v, name) for name, v in buffer_writes.items()]
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
-                 outputs=outputs, init=init_nodes, init_outputs=init_outputs)
+                 outputs=outputs, init=init_nodes, init_outputs=init_outputs, rowwise=rowwise)
 
 
 def _stage_hints(graph: torch.fx.Graph, nodes: list[Node], config: ParallelConfig) -> list[Node]:

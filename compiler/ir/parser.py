@@ -106,8 +106,8 @@ class _Build(Transformer):
         except ValidationError as e:
             raise _Reject(text, f"bad pipeline schedule: {e.errors()[0]['msg']}", "print it with sbpc; do not edit it") from None
 
-    def graph(self, name, mesh, *items):
-        g = Graph(str(name), mesh)
+    def graph(self, name, mesh, rowwise, *items):
+        g = Graph(str(name), mesh, rowwise=rowwise or ())
         for item in items:  # the grammar already put inputs first, then nodes, then outputs
             if isinstance(item, GraphInput):
                 g.inputs.append(item)
@@ -125,6 +125,9 @@ class _Build(Transformer):
             return Mesh(tuple((str(n), int(s)) for n, s in axes))
         except UsageError as e:
             raise _Reject(axes[0][0], e.message, e.hint or "") from None
+
+    def rowwise(self, *modules):
+        return tuple(json.loads(m) for m in modules)
 
     def mesh_axis(self, name, size):
         return name, size

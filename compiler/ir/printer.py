@@ -34,7 +34,8 @@ from sbpc.errors import IRError
 
 def print_graph(graph: Graph) -> str:
     axes = ", ".join(f"{n}={s}" for n, s in graph.mesh.axes)
-    lines = [f"graph @{graph.name} mesh<{axes}> {{"]
+    rowwise = " rowwise<" + ", ".join(json.dumps(m) for m in graph.rowwise) + ">" if graph.rowwise else ""
+    lines = [f"graph @{graph.name} mesh<{axes}>{rowwise} {{"]
     lines += [f"  {format_input(i)}" for i in graph.inputs]
     lines += [f"  {format_node(n)}" for n in graph.nodes]
     lines += [f"  {format_output(o)}" for o in graph.outputs]

@@ -262,6 +262,9 @@ class Graph:
     init: list[Node] = field(default_factory=list)
     init_outputs: list[GraphOutput] = field(default_factory=list)
     schedule: PipelineSpec | None = None  # set by the schedule pass on pipelined meshes
+    # module paths whose ops form row-wise regions (compiler/sbp/rowwise.py): found by capture
+    # (Hugging Face's experts modules); after sbp-propagate, the ones it split as regions
+    rowwise: tuple[str, ...] = ()
     # forward values whose conversions the backward makes again instead of keeping the forward's
     # (sbp-propagate's memory term decides, boxing does it); not in the text IR, used up by boxing
     regather: frozenset[str] = frozenset()

@@ -13,6 +13,7 @@ from typing import ClassVar
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.aten import is_random
 from sbpc.compiler.ir.types import Graph, Node, Ref, rename_uses
+from sbpc.compiler.sbp.rowwise import region_of
 
 
 @dataclass
@@ -23,12 +24,15 @@ class CommonSubexpressionElimination:
 
     def apply(self, graph: Graph, ctx) -> Graph:
         seen: dict[tuple, Node] = {}
+        rowwise = frozenset(graph.rowwise)
         rename: dict[str, str] = {}
         nodes = []
         for n in graph.nodes:
             if any(u in rename for u in n.uses()):  # a copy only where a use changes: most nodes keep theirs
                 n = rename_uses(n, lambda v: rename.get(v, v))
             key = _key(n)
+            if key is not None and rowwise:  # a row-wise region's op is its devices' own (sbp/rowwise.py)
+                key = (key, region_of(n, rowwise))
             first = seen.get(key) if key is not None else None
             if first is not None and first.types == n.types:
                 rename.update(zip(n.outputs, first.outputs))

@@ -3,7 +3,8 @@
 Types stay logical (with their nd-SBP); what changes are the arguments that spell a shape
 (view sizes, split sizes, factory sizes become local), and ops whose sharded form is a
 different kernel (a masked embedding lookup over a split vocabulary, a partial mean that
-needs a scale). The rule book knows how, op by op. Collectives from the boxing pass are
+needs a scale). The rule book knows how, op by op; the ops of a row-wise region get their
+device's row count where they spell it (``sbp/rowwise.py``). Collectives from the boxing pass are
 already physical. After this pass the program is the SPMD program every device runs.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import ClassVar
 
 from sbpc.compiler.pass_manager import Fact
 from sbpc.compiler.ir.types import Graph, Node
+from sbpc.compiler.sbp.rowwise import localize_rowwise, region_of
 from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.runtime.kinds import Collective
 from sbpc.runtime.sbp import Broadcast
@@ -32,11 +34,14 @@ class Localize:
             return graph
         rules = self.rules or RuleBook.load()
         nodes: list[Node] = []
+        rowwise = frozenset(graph.rowwise)
         for n in graph.nodes:
             if Collective.of(n.op) is not None:
                 nodes.append(n)
             elif _replicated(n):  # same arguments, but its input may come from a collective
                 nodes.append(_reshape(n))
+            elif region_of(n, rowwise):  # a device runs a row-wise region on its own rows
+                nodes.append(_reshape(localize_rowwise(n, sizes)))
             else:
                 nodes.extend(_reshape(m) for m in rules.localize(n, list(n.sbp_in or []), list(n.sbp or []), sizes, axes))
         return replace(graph, nodes=nodes)

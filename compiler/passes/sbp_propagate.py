@@ -27,6 +27,7 @@ from sbpc.compiler.ir.types import Graph, InputKind
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.sbp.layer_classes import LayerClasses, layer_classes
 from sbpc.compiler.sbp.layout import Layouts
+from sbpc.compiler.sbp.rowwise import Regions, find_regions
 from sbpc.compiler.sbp.rules import RuleBook
 from sbpc.compiler.sbp.rules.random_ops import reads_values
 from sbpc.compiler.sbp.solver import Solver
@@ -61,22 +62,25 @@ class SbpPropagate:
         axes = graph.mesh.sbp_axes
         sizes = tuple(graph.mesh.size(a) for a in axes)
         if all(k == 1 for k in sizes):
-            return _all_broadcast(graph, axes)
+            return replace(_all_broadcast(graph, axes), rowwise=())
         # block counts of strided splits come from the whole-graph analysis (sbp_layout)
         rules = self.rules or RuleBook.load(strided_parts=())
-        out = self._propagate(graph, ctx, rules, sizes)
+        out, regions = self._propagate(graph, ctx, rules, sizes)
         check_axes_split(out, rules, getattr(ctx, "allow_replicated", False), getattr(ctx, "log", sys.stderr))
-        return out
+        split = tuple(r.module for r in regions.regions if regions.axes(r, axes, sizes))
+        return replace(out, rowwise=split)
 
-    def _propagate(self, graph: Graph, ctx, rules: RuleBook, sizes: tuple[int, ...]) -> Graph:
-        _warn_unruled(graph, rules, getattr(ctx, "log", sys.stderr))
-        axes = graph.mesh.sbp_axes
-        busy = [a for a, k in enumerate(sizes) if k > 1]
+    def _propagate(self, graph: Graph, ctx, rules: RuleBook, sizes: tuple[int, ...]) -> tuple[Graph, Regions]:
+        """The graph with every op's signature, and its row-wise regions (sbp/rowwise.py)."""
         # the graph's structure and value types, found once for the classes and every solver
         index, types = GraphIndex.of(graph), graph.value_types()
-        shared = _Shared(self.classes(graph, types, index.hyper), index, {"types": types})
+        regions = find_regions(graph, types)
+        _warn_unruled(graph, rules, regions, getattr(ctx, "log", sys.stderr))
+        axes = graph.mesh.sbp_axes
+        busy = [a for a, k in enumerate(sizes) if k > 1]
+        shared = _Shared(self.classes(graph, types, index.hyper), index, {"types": types, "rowwise": regions})
         if len(busy) == 1:
-            return self._solve(graph, rules, sizes, shared).result()
+            return self._solve(graph, rules, sizes, shared).result(), regions
         # Several axes: solve each alone (the others one device), then start the joint search
         # from their combination. Axes interact only through tensor sizes and nested splits, so
         # the combination is nearly optimal, and one-axis problems are small.
@@ -92,7 +96,7 @@ class SbpPropagate:
         if not solver.combine(busy, alone):
             solver.greedy()
         solver.refine(busy, self.rounds)
-        return solver.result()
+        return solver.result(), regions
 
     def classes(self, graph: Graph, types=None, hyper=None) -> LayerClasses | None:
         """The layer classes whose decisions are tied, or None (small graphs, tying off);
@@ -141,9 +145,15 @@ def _all_broadcast(graph: Graph, axes) -> Graph:
     return replace(graph, inputs=inputs, nodes=nodes)
 
 
-def _warn_unruled(graph: Graph, rules: RuleBook, log) -> None:
-    seen = set()
-    for n in graph.nodes:
+def _warn_unruled(graph: Graph, rules: RuleBook, regions: Regions, log) -> None:
+    """Ops that run replicated for want of a rule (a row-wise region's ops need none), and the
+    row-wise modules not split as regions, with why."""
+    for module, why in regions.refused:
+        print(f"sbpc: note: {module} is row-wise, but its ops are not split as one region: {why}", file=log)
+    seen, split = set(), regions.of_node or {}
+    for i, n in enumerate(graph.nodes):
+        if i in split:
+            continue
         if n.op != HINT_OP and not rules.has_rule(n.op) and n.op not in seen:
             seen.add(n.op)
             where = f" (first at {n.loc})" if n.loc else ""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.ir.types import Graph, Node, Role, TensorType
+from sbpc.compiler.sbp.rowwise import Regions, find_regions
 from sbpc.compiler.sbp.rules import RuleBook, Signature
 from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, divides
 
@@ -59,6 +60,8 @@ class Layouts:
         if "types" not in self._memo:
             self._memo["types"] = graph.value_types()
         self.types = self._memo["types"]
+        if "rowwise" not in self._memo:
+            self._memo["rowwise"] = find_regions(graph, self.types)
         if "names" not in self._memo:  # per node: its uses, then its outputs (a signature's positions)
             self._memo["names"] = [n.uses() + tuple(n.outputs) for n in graph.nodes]
         self._names: list[tuple[str, ...]] = self._memo["names"]
@@ -77,6 +80,10 @@ class Layouts:
             self._memo[key] = self._strides()
         self._split_at, self._counts = self._memo[key]
         self._node_counts: dict[int, tuple] = {}  # _block_counts, once asked
+        # row-wise regions (sbp/rowwise.py): their ops take the region's signature, not their rules
+        self.regions: Regions = self._memo["rowwise"]
+        axis_names = graph.mesh.sbp_axes
+        self._region_axes = {r.module: self.regions.axes(r, axis_names, sizes) for r in self.regions.regions}
         # the micro-batch axis: an optimizer op runs once a step, so there it sees every value
         # whole (a gradient accumulated over the micro-batches), never one micro-batch's part
         self.sequential = frozenset(a for a, name in enumerate(graph.mesh.sbp_axes) if name == MICROBATCH)
@@ -86,8 +93,11 @@ class Layouts:
         representative's list (same op, literals, aliasing and types: the same signatures)."""
         nodes, types = self.graph.nodes, self.types
         out: list = [None] * len(nodes)
+        regions = self._memo["rowwise"].of_node or {}
         for i, n in enumerate(nodes):
-            if rep is None or rep[i] == i:
+            if i in regions:  # its signatures are its region's (candidates); none of its rule's
+                out[i] = [self._memo["rowwise"].signature(n, split=False)]
+            elif rep is None or rep[i] == i:
                 out[i] = self._node_signatures(n, [types[u] for u in n.uses()], k)
         if rep is not None:
             for i, r in enumerate(rep):
@@ -183,6 +193,8 @@ class Layouts:
         1-D signatures, the same decided axes and the same block counts at every position."""
         if any(f[i] != f[j] for f in self.fixed.values()):
             return False
+        if self.regions.of_node and (i in self.regions.of_node or j in self.regions.of_node):
+            return self._region_signature(i) == self._region_signature(j)
         if any(sigs[i] is not sigs[j] and sigs[i] != sigs[j] for sigs in self.per_size.values()):
             return False
         return not self._split_at[i] or self._block_counts(i) == self._block_counts(j)
@@ -203,13 +215,23 @@ class Layouts:
         n = self.graph.nodes[index]
         shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         return all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)) and \
-            self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes)
+            (index in (self.regions.of_node or {}) or self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes))
+
+    def _region_signature(self, index: int) -> tuple | None:
+        """Per axis, the 1-D signature of a row-wise region's op (None: not in one)."""
+        region = (self.regions.of_node or {}).get(index)
+        if region is None:
+            return None
+        n, split = self.graph.nodes[index], self._region_axes[region.module]
+        return tuple(self.regions.signature(n, a in split) for a in range(len(self.sizes)))
 
     def candidates(self, index: int) -> list[NdSignature]:
         """Every nd-signature of node ``index`` whose splits divide evenly; all-B first."""
         n = self.graph.nodes[index]
         once = Signature(tuple(Broadcast() for _ in n.uses()), tuple(Broadcast() for _ in n.outputs), "once a step")
+        region = self._region_signature(index)
         per_axis = [[_one_axis(self.fixed[a][index], a)] if a in self.fixed else
+                    [region[a]] if region is not None else
                     [once] if a in self.sequential and k > 1 and n.role == Role.OPTIMIZER else
                     list({r.ins + r.outs: r for s in self.per_size[k][index] for r in self.with_strides(n, s)}.values())
                     for a, k in enumerate(self.sizes)]

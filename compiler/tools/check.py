@@ -45,6 +45,7 @@ from sbpc.runtime.plan import Plan, PrecisionSpec
 from sbpc.runtime.precision import COMPUTE_DTYPE, LOSS_SCALE, autocast
 from sbpc.compiler.tools.check_amp import LossScaler
 from sbpc.compiler.tools.check_dropout import Float32Draws, plan_dropout
+from sbpc.compiler.tools.float64_kernels import Float64Kernels
 from sbpc.compiler.tools.deviation import (NOISE_RESOLUTION, amax, deviation, grad_deviations, low_precision_noise,
                                            update_deviation, update_scale)
 from sbpc.runtime.runner import BatchSource, Runner, make_runner, step_seed
@@ -195,7 +196,9 @@ class Eager:
             with torch.no_grad():
                 for name, b in plan_buffers(twin):
                     b.copy_(self.buffers_before[name])
-            with Float32Draws():  # float32 eager's random numbers (stochastic depth's torch.rand)
+            # float32 eager's random numbers (stochastic depth's torch.rand); kernels torch has
+            # only for narrower dtypes (grouped matmuls) from their definition
+            with Float32Draws(), Float64Kernels():
                 loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed, keys=self.keys)
         except Exception as e:  # the user's model need not run in float64: judge without the term
             return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
