@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sbpc.errors import ModelError, RuntimeFailure
-from sbpc.runtime.backend import Backend
+from sbpc.runtime.backend import Backend, torch_op
 from sbpc.runtime.executor import Program
 from sbpc.runtime.kinds import MemoryKind
 from sbpc.runtime.model_file import batch_tuple, import_model_file
@@ -80,6 +80,23 @@ class StepResult:
     grad_norm: float | None = None
 
 
+def _import_library_ops(plan: Plan) -> None:
+    """A plan may name ops that a library registers with torch when it is imported (Hugging
+    Face's ``transformers.grouped_mm_fallback``): a fresh rank process has not imported it. The
+    model file imports it, so it is run once (as for its batches) when torch lacks one of them."""
+    ops = {i.op for s in plan.stages for i in s.instructions} | {i.op for i in plan.init.instructions}
+    missing = sorted(op for op in ops if not op.startswith("sbpc.") and torch_op(op) is None)
+    if not missing:
+        return
+    try:
+        import_model_file(plan.model.path, "_sbpc_ops_")
+    except Exception as e:  # the kernel lookup would then fail with a less useful message
+        raise ModelError(f"the plan names {missing[0]}, which torch has not registered, and importing its model file "
+                         f"{plan.model.path} (which registers it) failed: {type(e).__name__}: {e}",
+                         hint="run from the directory the plan was compiled in, with the model's libraries "
+                              "installed") from None
+
+
 class Runner:
     """Holds one rank's parameters, buffers and optimizer state, and steps the plan."""
 
@@ -107,6 +124,7 @@ class Runner:
 
     def _bind(self, plan: Plan, backend: Backend, timeline: bool) -> None:
         check_issue_order(plan)  # an edited plan whose waits would hang fails here, on every rank
+        _import_library_ops(plan)
         if plan.world_size != backend.communicator.world_size:
             raise RuntimeFailure(f"plan is for {plan.world_size} ranks but this run has {backend.communicator.world_size}",
                                  hint="launch as many ranks as the plan's mesh has devices")

@@ -150,7 +150,7 @@ def _warn_unruled(graph: Graph, rules: RuleBook, regions: Regions, log) -> None:
     row-wise modules not split as regions, with why."""
     for module, why in regions.refused:
         print(f"sbpc: note: {module} is row-wise, but its ops are not split as one region: {why}", file=log)
-    seen, split = set(), regions.of_node or {}
+    seen, split = set(), regions.of_node
     for i, n in enumerate(graph.nodes):
         if i in split:
             continue

@@ -93,7 +93,7 @@ class Layouts:
         representative's list (same op, literals, aliasing and types: the same signatures)."""
         nodes, types = self.graph.nodes, self.types
         out: list = [None] * len(nodes)
-        regions = self._memo["rowwise"].of_node or {}
+        regions = self._memo["rowwise"].of_node
         for i, n in enumerate(nodes):
             if i in regions:  # its signatures are its region's (candidates); none of its rule's
                 out[i] = [self._memo["rowwise"].signature(n, split=False)]
@@ -215,11 +215,11 @@ class Layouts:
         n = self.graph.nodes[index]
         shapes = [self.types[u].shape for u in n.uses()] + [t.shape for t in n.types]
         return all(divides(shape, nd, self.sizes) for shape, nd in zip(shapes, ins + outs)) and \
-            (index in (self.regions.of_node or {}) or self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes))
+            (index in self.regions.of_node or self.rules.nd_exact(n, shapes[:len(ins)], ins, outs, self.sizes))
 
     def _region_signature(self, index: int) -> tuple | None:
         """Per axis, the 1-D signature of a row-wise region's op (None: not in one)."""
-        region = (self.regions.of_node or {}).get(index)
+        region = self.regions.of_node.get(index)
         if region is None:
             return None
         n, split = self.graph.nodes[index], self._region_axes[region.module]

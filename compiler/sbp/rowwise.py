@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
-from sbpc.compiler.ir.mesh import MICROBATCH
+from sbpc.compiler.ir.mesh import MICROBATCH, POSITIONAL_AXES
 from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
 from sbpc.compiler.sbp.rules import Signature
-from sbpc.runtime.sbp import Broadcast, NdSbp, Partial, Split, local_shape
+from sbpc.runtime.sbp import Broadcast, Partial, Split, local_shape
 
 
 class Kind(enum.Enum):
@@ -48,7 +48,7 @@ class Kind(enum.Enum):
 
 _LAYOUT = {Kind.ROW: Split(0), Kind.PARTIAL: Partial(), Kind.WHOLE: Broadcast()}
 # the axes a region splits: data parallelism, in space and in time
-BATCH_AXES = ("dp", MICROBATCH)
+BATCH_AXES = (POSITIONAL_AXES[0], MICROBATCH)
 
 # where an op spells a size list (argument position); localize makes it the local one
 _SIZE_LISTS = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
@@ -88,8 +88,8 @@ class Region:
 class Regions:
     """The row-wise regions of a graph, and each of their values' kind."""
     regions: tuple[Region, ...] = ()
-    kind: dict[str, Kind] | None = None
-    of_node: dict[int, Region] | None = None
+    kind: dict[str, Kind] = field(default_factory=dict)
+    of_node: dict[int, Region] = field(default_factory=dict)  # node index -> its region
     refused: tuple[tuple[str, str], ...] = ()  # (module, why) of each region not split
 
     def axes(self, region: Region, axis_names: tuple[str, ...], sizes: tuple[int, ...]) -> frozenset[int]:
@@ -109,7 +109,7 @@ class Regions:
         if not split:
             return Signature(tuple(Broadcast() for _ in node.uses()), tuple(Broadcast() for _ in node.outputs),
                              "row-wise region, whole")
-        kind = self.kind or {}
+        kind = self.kind
         return Signature(tuple(_LAYOUT[kind[u]] for u in node.uses()), tuple(_LAYOUT[kind[o]] for o in node.outputs),
                          "row-wise region")
 
