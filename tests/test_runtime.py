@@ -233,3 +233,30 @@ def test_a_picked_column_out_of_range_fails_as_indexing_does(column):
     y[1] = column  # the head has 5 classes
     with pytest.raises(RuntimeFailure, match=r"aten\.gather\.default .*index"):
         runner.step((ids, lengths, y))
+
+
+def test_ops_a_library_registers_are_imported_through_the_model_file(tmp_path):
+    """A rank process has not imported the library that registers a plan's custom op (Hugging
+    Face's ``transformers.grouped_mm_fallback``); the runner imports the model file, which
+    does. Where that import fails, the error says so, not "no kernel"."""
+    from sbpc.errors import ModelError
+
+    result, _, _ = compile_example("mlp.py")
+    lib = tmp_path / "lib_model.py"
+    lib.write_text("import torch\n"
+                   "@torch.library.custom_op('sbpc_test_lib::twice', mutates_args=())\n"
+                   "def twice(x: torch.Tensor) -> torch.Tensor:\n"
+                   "    return x * 2\n")
+    stage = result.plan.stages[0]
+    ops = [i.model_copy(update={"op": "sbpc_test_lib.twice.default"}) if i.op == "aten.relu.default" else i
+           for i in stage.instructions]
+    plan = result.plan.model_copy(update={"stages": [stage.model_copy(update={"instructions": ops})]})
+
+    def at(path):
+        return plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
+
+    with pytest.raises(ModelError, match="the plan names sbpc_test_lib.twice.default, which torch has not registered"):
+        Runner(at(tmp_path / "gone.py"), make_backend("cpu"), seed=0)
+    plan = at(lib)
+    runner = Runner(plan, make_backend("cpu"), seed=0)  # the file registered the op
+    assert runner.step(BatchSource(result.plan, 0)(0)).loss > 0
