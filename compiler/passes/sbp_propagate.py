@@ -8,7 +8,9 @@ in program order is followed by rounds of coordinate descent in which each op al
 its consumers need, until no op can lower the total. Ties go to fewer partial results, then
 to the rule's order, so the result is deterministic.
 
-Axes of size one carry ``B`` everywhere. Results: ``Node.sbp`` (per output), ``Node.sbp_in``
+The ops of a row-wise region (``Graph.rowwise``, ``sbp/rowwise.py``: Hugging Face's experts)
+take their region's one signature instead of their rules'; the result's ``rowwise`` keeps the
+regions split on some axis, for ``localize``. Axes of size one carry ``B`` everywhere. Results: ``Node.sbp`` (per output), ``Node.sbp_in``
 (what the op needs of each input; the boxing pass makes it so), and ``why`` for explain.
 The search itself is ``sbp/solver.py`` (its state: ``sbp/state.py``; its moves: ``sbp/refine.py``);
 this pass decides which axes are solved alone and which together.
