@@ -10,7 +10,9 @@ to the rule's order, so the result is deterministic.
 
 The ops of a row-wise region (``Graph.rowwise``, ``sbp/rowwise.py``: Hugging Face's experts)
 take their region's one signature instead of their rules'; the result's ``rowwise`` keeps the
-regions split on some axis, for ``localize``. Axes of size one carry ``B`` everywhere. Results: ``Node.sbp`` (per output), ``Node.sbp_in``
+regions split on some axis, for ``localize``.
+
+Axes of size one carry ``B`` everywhere. Results: ``Node.sbp`` (per output), ``Node.sbp_in``
 (what the op needs of each input; the boxing pass makes it so), and ``why`` for explain.
 The search itself is ``sbp/solver.py`` (its state: ``sbp/state.py``; its moves: ``sbp/refine.py``);
 this pass decides which axes are solved alone and which together.
