@@ -79,3 +79,23 @@ def test_the_rowwise_header_round_trips():
     assert g.rowwise == ("moe",)
     assert print_graph(parse_graph(print_graph(g))) == print_graph(g)
     assert 'rowwise<"moe">' in print_graph(g)
+
+
+def test_a_transposed_or_contracted_row_value_is_not_rows_though_its_dim_0_counts_as_many():
+    """``y.t()`` has as many rows as the region (8 features, 8 tokens) and a matmul contracting
+    the tokens gives a weight-gradient-like [8, 6]: neither is split by tokens."""
+    g = parse_graph('''graph @moe mesh<dp=2> rowwise<"moe"> {
+  input param %w : f32[6, 8] "moe.w"
+  input batch %x : f32[8, 6] "batch.0"
+  %y = aten.mm.default(%x, %w) : f32[8, 8] {role=fwd, loc="moe" @ "moe.py":1}
+  %yt = aten.t.default(%y) : f32[8, 8] {role=fwd, loc="moe" @ "moe.py":2}
+  %z = aten.mm.default(%yt, %x) : f32[8, 6] {role=fwd, loc="moe" @ "moe.py":3}
+  %s = aten.transpose.int(%y, 1, 0) : f32[8, 8] {role=fwd, loc="moe" @ "moe.py":4}
+  %r = aten.relu.default(%y) : f32[8, 8] {role=fwd, loc="moe" @ "moe.py":5}
+  %l = aten.sum.default(%r) : f32[] {role=fwd, loc="" @ "model.py":3}
+  output loss %l "loss"
+}
+''')
+    kind = find_regions(g, g.value_types()).kind
+    assert (kind["y"], kind["r"]) == (Kind.ROW, Kind.ROW)
+    assert (kind["yt"], kind["z"], kind["s"]) == (Kind.PARTIAL, Kind.PARTIAL, Kind.PARTIAL)

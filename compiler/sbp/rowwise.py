@@ -65,8 +65,7 @@ _DIM_AT = {"aten.split.Tensor": 2, "aten.split_with_sizes.default": 2, "aten.nar
 # a tensor without rows (_sums_rows). A value that leaves the region partial must be one of
 # these, through linear ops that keep the sum
 _SUMS = {("transformers.grouped_mm_fallback_backward.default", 1), ("aten.histc.default", 0)}
-# ops after which dim 0 no longer counts the rows when it did: it moves, or it is reduced
-_MOVES = {"aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.movedim.int"}
+# ops after which dim 0 no longer counts the rows when it did: it is reduced (moves: _keeps_rows)
 _REDUCES = {"aten.amax.default", "aten.amin.default", "aten.sum.dim_IntList", "aten.mean.dim", "aten.max.dim",
             "aten.min.dim", "aten.argmax.default", "aten.argmin.default", "aten.logsumexp.default",
             "aten.var.correction", "aten.std.correction", "aten.var_mean.correction", "aten.prod.dim_int",
@@ -202,11 +201,11 @@ def _analyse(graph: Graph, module: str, members: list[int], types: dict[str, Ten
     if len(counts) != 1 or None in counts:
         return f"its inputs do not share one row count ({sorted(map(str, counts))})"
     rows = counts.pop()
+    if rows < 2:
+        return "it has one row"
     # a row value's dim 0 is the rows times a factor its inputs have (top-k pairs: [T, k] -> [T*k])
     factors = {1} | {math.prod(types[u].shape[1:d]) for u in row_edges for d in range(2, len(types[u].shape) + 1)}
     row_sizes = {rows * f for f in factors}
-    if rows < 2:
-        return "it has one row"
     # a tensor of the experts' shape whose dim 0 could be read as rows: refused, not guessed at
     for u in edges:
         if u in whole_inputs and types[u].shape and types[u].shape[0] in row_sizes:
@@ -257,14 +256,14 @@ def _keeps_rows(n: Node, kind: dict[str, Kind], types: dict[str, TensorType]) ->
     uses = n.uses()
     if n.op in _MATMULS:
         return kind[uses[-2 if n.op == "aten.addmm.default" else 0]] == Kind.ROW
-    rank = len(types[uses[0]].shape) if uses else 0
-    if n.op in _MOVES:
-        if n.op == "aten.t.default":
-            return rank < 2
-        dims = list(n.args[1:3]) if n.op != "aten.permute.default" else [n.args[1][0]]
-        moved = [d % rank for d in dims if isinstance(d, int)] if rank else []
-        return (0 not in moved) if n.op == "aten.transpose.int" else moved[:1] == [0] if n.op == "aten.permute.default" \
-            else moved[:1] != [0]
+    rank = max(1, len(types[uses[0]].shape)) if uses else 1
+    if n.op == "aten.t.default":
+        return rank < 2
+    if n.op == "aten.permute.default":
+        return n.args[1][0] % rank == 0
+    if n.op in ("aten.transpose.int", "aten.movedim.int"):  # dim 0 stays where neither dim named is 0
+        a, b = n.args[1] % rank, n.args[2] % rank
+        return a == b or 0 not in (a, b)
     if n.op in _REDUCES:
         dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
         if dims is None or dims == []:
