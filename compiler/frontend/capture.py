@@ -272,6 +272,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
         grads = torch.autograd.grad(seed, list(param_vals), allow_unused=True)
+        grads = [_plus_accumulated(g, p) for g, p in zip(grads, param_vals)]
         return [answered.checks.apply(loss) if answered is not None else loss, *grads]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
@@ -307,6 +308,17 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
             graph = trace(None)  # layer 1 is not a template the copies can follow: trace them all
     plain_views(graph)
     return graph
+
+
+def _plus_accumulated(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s gradient as eager's ``loss.backward()`` leaves it in ``.grad``: what
+    ``autograd.grad`` returned plus what a custom backward accumulated into ``.grad`` itself (a
+    reversible layer's, RevNet's or Reformer's, recomputes its forward and calls
+    ``autograd.backward`` on it). ``.grad`` is cleared: the next trace starts without it."""
+    accumulated, param.grad = param.grad, None
+    if accumulated is None:
+        return grad
+    return accumulated if grad is None else grad + accumulated
 
 
 def _record_stack_traces() -> None:
