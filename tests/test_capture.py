@@ -290,3 +290,11 @@ def test_a_custom_backward_that_accumulates_into_grad_trains_those_parameters():
     assert {"f.weight", "f.bias", "g.weight", "g.bias"} <= grads, grads
     r = sbpc("check", "tests/models/reversible.py", "--mesh", "2x1x2", "--ranks", "threads", "--steps", "2")
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_forward_that_reseeds_the_generator_is_refused_with_its_line():
+    """The plan draws each step's numbers from one stream; before, the reseed was not traced
+    and the plan silently drew other numbers than eager (Reformer's check FAILed)."""
+    r = sbpc("compile", "tests/models/reseeds.py", "-o", "/dev/null")
+    assert r.returncode == 2, r.stderr
+    assert "forward() reseeds the random generator (torch.manual_seed) (at tests/models/reseeds.py:12)" in r.stderr, r.stderr

@@ -37,6 +37,7 @@ from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
+from sbpc.compiler.frontend.eager_effects import no_reseeding, plus_accumulated
 from sbpc.compiler.frontend.input_checks import unreduce
 from sbpc.compiler.frontend.random_layout import draw_in_memory_order, memory_orders
 from sbpc.compiler.frontend.functionalize import functionalize
@@ -272,7 +273,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
         grads = torch.autograd.grad(seed, list(param_vals), allow_unused=True)
-        grads = [_plus_accumulated(g, p) for g, p in zip(grads, param_vals)]
+        grads = [plus_accumulated(g, p) for g, p in zip(grads, param_vals)]
         return [answered.checks.apply(loss) if answered is not None else loss, *grads]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
@@ -283,7 +284,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # _module_paths closes them before the node meta they edit is restored
         with fx_traceback.preserve_node_meta(), _module_paths(model), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
-                _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling():
+                _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling(), no_reseeding():
             try:
                 gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
@@ -308,17 +309,6 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
             graph = trace(None)  # layer 1 is not a template the copies can follow: trace them all
     plain_views(graph)
     return graph
-
-
-def _plus_accumulated(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
-    """``param``'s gradient as eager's ``loss.backward()`` leaves it in ``.grad``: what
-    ``autograd.grad`` returned plus what a custom backward accumulated into ``.grad`` itself (a
-    reversible layer's, RevNet's or Reformer's, recomputes its forward and calls
-    ``autograd.backward`` on it). ``.grad`` is cleared: the next trace starts without it."""
-    accumulated, param.grad = param.grad, None
-    if accumulated is None:
-        return grad
-    return accumulated if grad is None else grad + accumulated
 
 
 def _record_stack_traces() -> None:
