@@ -160,6 +160,33 @@ MODEL_FILE_CASES = [
              def example_batch(batch_size):
                  return (torch.randn(batch_size, 4),)
              """)),
+    # ... and in a library (Hugging Face's CTC loss flattens the labels with masked_select)
+    Case("model-value-dependent-shape-in-a-library", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("cannot trace forward(): aten.masked_select.default makes a tensor whose shape depends on tensor "
+          "values at {tmp}/heads.py:4 (at {tmp}/model.py:9)"),
+         chain(write("heads.py", """
+             import torch
+
+             def loss(logits, labels):
+                 targets = labels.masked_select(labels >= 0)
+                 return logits.sum() + targets.sum()
+             """), write("model.py", """
+             import torch
+             import heads
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.fc = torch.nn.Linear(4, 3)
+                 def forward(self, x, labels):
+                     return heads.loss(self.fc(x), labels)
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return torch.randn(batch_size, 4), torch.randint(-1, 3, (batch_size,))
+             """))),
     Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
          ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
           "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),

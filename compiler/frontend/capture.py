@@ -364,13 +364,14 @@ def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -
         hint = ("a mixture-of-experts layer (tokens grouped by expert): sbpc does not support MoE layers yet "
                 "(torch traces this op only in bf16, and its groups follow the routing's values)")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
-    branch = _reading_line(err) if data_dependent else None
-    if branch is not None and branch != user_location(err, source.path):  # a library's line (a check of the labels)
-        what += f" at {branch}"
-    if isinstance(err, DynamicOutputShapeException):  # nonzero, masked_select, unique: a mixture of experts' routing
+    dynamic = isinstance(err, DynamicOutputShapeException)
+    if dynamic:  # nonzero, masked_select, unique: a mixture of experts' routing, a CTC head's targets
         what = f"{err.func} makes a tensor whose shape depends on tensor values"
         hint = ("a plan's shapes are fixed at compile time; keep shapes static (torch.where, a mask, "
                 "a fixed capacity) instead of selecting the elements")
+    branch = _reading_line(err) if data_dependent or dynamic else None
+    if branch is not None and branch != user_location(err, source.path):  # a library's line (a check of the labels)
+        what += f" at {branch}"
     return CaptureError(f"cannot trace forward(): {what}" + (f" (in {op})" if op else ""),
                         location=user_location(err, source.path), hint=hint)
 
