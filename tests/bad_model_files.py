@@ -187,6 +187,25 @@ MODEL_FILE_CASES = [
              def example_batch(batch_size):
                  return torch.randn(batch_size, 4), torch.randint(-1, 3, (batch_size,))
              """))),
+    Case("model-embedding-max-norm", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("forward() updates param 'emb.weight' through a view (aten.embedding_renorm_.default) (at emb @ "
+          "{tmp}/model.py:8)", "nn.Embedding(max_norm=...) renormalizes the rows it looks up in place: drop max_norm"),
+         write("model.py", """
+             import torch
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.emb = torch.nn.Embedding(10, 4, max_norm=1.0)
+                 def forward(self, ids):
+                     return self.emb(ids).square().mean()
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return (torch.randint(0, 10, (batch_size, 3)),)
+             """)),
     Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
          ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
           "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),

@@ -187,6 +187,10 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
                     "call .eval() on that module in build_model" if whole else
                     "writing part of a buffer is not supported; write the whole buffer "
                     "(buf.copy_(torch.cat([...])) or buf.mul_(mask))")
+            if i.kind == InputKind.PARAM:  # a parameter written through a view is no buffer's case
+                hint = "a plan writes parameters only in the optimizer step, not in forward()" + (
+                    "; nn.Embedding(max_norm=...) renormalizes the rows it looks up in place: drop max_norm"
+                    if n.op == "aten.embedding_renorm_.default" else "")
             raise ModelError(f"forward() updates {i.kind.value} {i.name!r} {how} ({n.op})",
                              location=str(n.loc) if n.loc else None, hint=hint)
         if i is not None and shares_storage(n.op):
