@@ -290,6 +290,8 @@ def test_a_custom_backward_that_accumulates_into_grad_trains_those_parameters():
     assert {"f.weight", "f.bias", "g.weight", "g.bias"} <= grads, grads
     r = sbpc("check", "tests/models/reversible.py", "--mesh", "2x1x2", "--ranks", "threads", "--steps", "2")
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = sbpc("check", "tests/models/reversible.py", "--set", "warm_up=True", "--ranks", "threads", "--steps", "1")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_forward_that_reseeds_the_generator_is_refused_with_its_line():

@@ -267,6 +267,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
+        for p in param_vals:  # as eager's zero_grad(set_to_none=True): only this backward's .grad counts
+            p.grad = None
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
         keys = source.keys or ()
         with autocast(precision), reads.mode() as answered:

@@ -44,9 +44,12 @@ class M(nn.Module):
         return nn.functional.cross_entropy(self.head(_Reversible.apply(self.inp(x), self.f, self.g)), y)
 
 
-def build_model():
-    return M()
+def build_model(warm_up: bool = False):
+    m = M()
+    if warm_up:  # a step before compile leaves .grad behind, which the plan's gradients must not take in
+        m(*example_batch(2)).backward()
+    return m
 
 
-def example_batch(batch_size):
+def example_batch(batch_size, warm_up: bool = False):
     return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
