@@ -160,11 +160,12 @@ MODEL_FILE_CASES = [
              def example_batch(batch_size):
                  return (torch.randn(batch_size, 4),)
              """)),
-    # ... and in a library (Hugging Face's CTC loss flattens the labels with masked_select)
+    # ... and in a library (Hugging Face's CTC loss flattens the labels with masked_select); a module
+    # name of its own, as in-process cases share sys.modules
     Case("model-value-dependent-shape-in-a-library", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
          ("cannot trace forward(): aten.masked_select.default makes a tensor whose shape depends on tensor "
-          "values at {tmp}/heads.py:4 (at {tmp}/model.py:9)"),
-         chain(write("heads.py", """
+          "values at {tmp}/ctc_targets.py:4 (at {tmp}/model.py:9)"),
+         chain(write("ctc_targets.py", """
              import torch
 
              def loss(logits, labels):
@@ -172,14 +173,14 @@ MODEL_FILE_CASES = [
                  return logits.sum() + targets.sum()
              """), write("model.py", """
              import torch
-             import heads
+             import ctc_targets
 
              class Net(torch.nn.Module):
                  def __init__(self):
                      super().__init__()
                      self.fc = torch.nn.Linear(4, 3)
                  def forward(self, x, labels):
-                     return heads.loss(self.fc(x), labels)
+                     return ctc_targets.loss(self.fc(x), labels)
 
              def build_model():
                  return Net()
