@@ -229,6 +229,19 @@ def test_pipeline_names_the_op_that_relates_rows_of_the_batch():
     assert check_on_ranks(plan, CHECK_OPT, steps=CHECK_STEPS, seed=0, tolerance=CHECK_TOL, ranks="threads").passed
 
 
+
+def test_pipeline_names_the_op_that_needs_the_whole_batch():
+    """Every op reads the batch split but ``topk`` over the per-sample losses: the batch is
+    followed through the signatures that keep it split, and the error names topk and its line.
+    Before, it named the first linear layer, where the solver gathered the batch."""
+    from sbpc.errors import CompileError
+
+    with pytest.raises(CompileError) as err:
+        compile_model(load_model("tests/models/hardest_examples.py", {}), parse_mesh("1x1x2"), batch_size=4,
+                      optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten.topk.default reads the whole batch at once"), err.value.message
+    assert "tests/models/hardest_examples.py:13" in str(err.value.location), err.value.location
+
 # ----- Mixtral: a sparse mixture of experts (Hugging Face's grouped experts on CPU)
 
 def test_mixtral_counts_tokens_per_expert_as_a_partial_sum_and_pipelines_name_the_token_sort():
