@@ -160,6 +160,53 @@ MODEL_FILE_CASES = [
              def example_batch(batch_size):
                  return (torch.randn(batch_size, 4),)
              """)),
+    # ... and in a library (Hugging Face's CTC loss flattens the labels with masked_select); a module
+    # name of its own, as in-process cases share sys.modules
+    Case("model-value-dependent-shape-in-a-library", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("cannot trace forward(): aten.masked_select.default makes a tensor whose shape depends on tensor "
+          "values at {tmp}/ctc_targets.py:4 (at {tmp}/model.py:9)"),
+         chain(write("ctc_targets.py", """
+             import torch
+
+             def loss(logits, labels):
+                 targets = labels.masked_select(labels >= 0)
+                 return logits.sum() + targets.sum()
+             """), write("model.py", """
+             import torch
+             import ctc_targets
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.fc = torch.nn.Linear(4, 3)
+                 def forward(self, x, labels):
+                     return ctc_targets.loss(self.fc(x), labels)
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return torch.randn(batch_size, 4), torch.randint(-1, 3, (batch_size,))
+             """))),
+    Case("model-embedding-max-norm", ["compile", "{tmp}/model.py", "-o", "{tmp}/p.json"],
+         ("forward() updates param 'emb.weight' through a view (aten.embedding_renorm_.default) (at emb @ "
+          "{tmp}/model.py:8)", "nn.Embedding(max_norm=...) renormalizes the rows it looks up in place: drop max_norm"),
+         write("model.py", """
+             import torch
+
+             class Net(torch.nn.Module):
+                 def __init__(self):
+                     super().__init__()
+                     self.emb = torch.nn.Embedding(10, 4, max_norm=1.0)
+                 def forward(self, ids):
+                     return self.emb(ids).square().mean()
+
+             def build_model():
+                 return Net()
+
+             def example_batch(batch_size):
+                 return (torch.randint(0, 10, (batch_size, 3)),)
+             """)),
     Case("model-buffer-written-through-a-view", ["compile", "tests/models/buffer_view_write.py", "-o", "{tmp}/p.json"],
          ("forward() updates buffer 'seen' through a view (aten.add_.Tensor) "
           "(at tests/models/buffer_view_write.py:13)", "write the whole buffer")),

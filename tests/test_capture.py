@@ -276,3 +276,27 @@ def test_a_label_check_after_a_static_test_reads_every_label(tmp_path, monkeypat
         plan = compile_model(source, parse_mesh(mesh), batch_size=4, optimizer=OptimizerConfig(),
                              pipeline=PipelineOptions(microbatches=microbatches)).plan
         assert check_on_ranks(plan, OptimizerConfig(), steps=2, seed=0, tolerance=1e-5, ranks="threads").passed
+
+
+def test_a_custom_backward_that_accumulates_into_grad_trains_those_parameters():
+    """A reversible layer's backward recomputes its forward and calls ``autograd.backward``,
+    which leaves the parameters' gradients in ``.grad``; ``autograd.grad`` returns none for
+    them. Before, the plan took them for frozen parameters and never trained them."""
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+
+    graph = capture(load_model("tests/models/reversible.py", {}), parse_mesh("1"), 4, OptimizerConfig())
+    grads = {o.name for o in graph.outputs if o.kind == OutputKind.GRAD}
+    assert {"f.weight", "f.bias", "g.weight", "g.bias"} <= grads, grads
+    r = sbpc("check", "tests/models/reversible.py", "--mesh", "2x1x2", "--ranks", "threads", "--steps", "2")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = sbpc("check", "tests/models/reversible.py", "--set", "warm_up=True", "--ranks", "threads", "--steps", "1")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_forward_that_reseeds_the_generator_is_refused_with_its_line():
+    """The plan draws each step's numbers from one stream; before, the reseed was not traced
+    and the plan silently drew other numbers than eager (Reformer's check FAILed)."""
+    r = sbpc("compile", "tests/models/reseeds.py", "-o", "/dev/null")
+    assert r.returncode == 2, r.stderr
+    assert "forward() reseeds the random generator (torch.manual_seed) (at tests/models/reseeds.py:12)" in r.stderr, r.stderr

@@ -127,3 +127,13 @@ def test_writing_an_input_or_through_a_view_without_inverse_stays_in_place():
     assert out[0].startswith("%a = aten.add_.Tensor(%buf, %x)")  # a graph input
     assert out[2].startswith("%b = aten.mul_.Scalar(%v, 2.0)")  # a view of a graph input
     assert out[5].startswith("%z = aten.zero_.default(%s)")  # as_strided has no inverse here
+
+
+def test_a_default_probability_the_trace_left_out_is_written_out():
+    """F.dropout(p=0.5) draws with ``bernoulli_(0.5)``, which the trace records as
+    ``bernoulli_.float(%e)`` (0.5 is its default); ``bernoulli.p`` has no default for p."""
+    out, _ = lines("""  %e = aten.empty_like.default(%x) : f32[8] {role=fwd}
+  %b = aten.bernoulli_.float(%e) : f32[8] {role=fwd}
+  %m = aten.mul.Tensor(%x, %e) : f32[8] {role=fwd}
+  %l = aten.sum.default(%m) : f32[] {role=fwd}""")
+    assert out[1].startswith("%b_f = aten.bernoulli.p(%e, 0.5)")

@@ -63,6 +63,12 @@ def test_dropout_adds_no_collective_on_dp():
     assert _forward_collectives(with_dropout) == _forward_collectives(without)
 
 
+def test_dropout_at_one_half_matches_eager():
+    """p=0.5, bernoulli_'s default, which the trace leaves out (EfficientNet's classifier dropout)."""
+    r = sbpc_check("examples/gpt.py", "--set", "dropout=0.5", "--mesh", "2x1", "--steps", "1")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
 def test_dropout_split_on_dp_and_tp_matches_eager():
     """Megatron with sequence parallelism on 2x2: masks split on dp (batch) and tp (sequence,
     heads); in-process ranks keep each rank's generator, so the check is exact."""

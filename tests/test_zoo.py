@@ -248,6 +248,19 @@ def test_a_default_micro_batch_count_runs_a_whole_batch_step_as_one_micro_batch(
     assert "reads the whole batch with one micro-batch's rows" in capsys.readouterr().err
 
 
+def test_pipeline_names_the_op_that_reads_the_batch_whole_downstream_of_the_gather():
+    """Every op reads the batch split but ``topk`` over the per-sample losses: the batch is
+    followed through the signatures that keep it split, and the error names topk and its line.
+    Before, it named the first linear layer, where the solver gathered the batch."""
+    from sbpc.errors import CompileError
+
+    with pytest.raises(CompileError) as err:
+        compile_model(load_model("tests/models/hardest_examples.py", {}), parse_mesh("1x1x2"), batch_size=4,
+                      optimizer=OptimizerConfig(), pipeline=PipelineOptions(microbatches=2))
+    assert err.value.message.startswith("aten.topk.default reads the whole batch at once"), err.value.message
+    assert "tests/models/hardest_examples.py:13" in str(err.value.location), err.value.location
+
+
 # ----- Mixtral: a sparse mixture of experts (Hugging Face's grouped experts on CPU)
 
 def test_mixtral_experts_split_as_a_row_wise_region_on_dp_and_micro_batches():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sbpc.compiler.ir.aten import functional_variant, out_functional, shares_storage
+from sbpc.compiler.ir.aten import defaults_for, functional_variant, out_functional, shares_storage
 from sbpc.compiler.ir.types import GraphInput, InputKind, Node, Ref, rename_uses
 from sbpc.errors import ModelError
 
@@ -89,5 +89,6 @@ def _rewrite(n: Node, latest: dict[str, str], type_of: dict) -> tuple[Node, list
     if not (isinstance(target, Ref) and target.name in latest and functional and len(n.outputs) <= 1):
         return None
     fresh = n.outputs[0] if n.outputs else f"{target.name}_new"
-    node = replace(n, op=functional, outputs=[fresh], types=n.types or [type_of[latest[target.name]]])
+    node = replace(n, op=functional, args=defaults_for(n.op, functional, n.args), outputs=[fresh],
+                   types=n.types or [type_of[latest[target.name]]])
     return node, [(latest[target.name], fresh)]

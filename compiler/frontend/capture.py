@@ -38,6 +38,7 @@ from sbpc.compiler.frontend.rowwise_modules import rowwise_modules
 from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
+from sbpc.compiler.frontend.eager_effects import no_reseeding, plus_accumulated
 from sbpc.compiler.frontend.input_checks import unreduce
 from sbpc.compiler.frontend.random_layout import draw_in_memory_order, memory_orders
 from sbpc.compiler.frontend.functionalize import functionalize
@@ -188,6 +189,10 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
                     "call .eval() on that module in build_model" if whole else
                     "writing part of a buffer is not supported; write the whole buffer "
                     "(buf.copy_(torch.cat([...])) or buf.mul_(mask))")
+            if i.kind == InputKind.PARAM:  # a parameter written through a view is no buffer's case
+                hint = "a plan writes parameters only in the optimizer step, not in forward()" + (
+                    "; nn.Embedding(max_norm=...) renormalizes the rows it looks up in place: drop max_norm"
+                    if n.op == "aten.embedding_renorm_.default" else "")
             raise ModelError(f"forward() updates {i.kind.value} {i.name!r} {how} ({n.op})",
                              location=str(n.loc) if n.loc else None, hint=hint)
         if i is not None and shares_storage(n.op):
@@ -264,6 +269,8 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
 
     def joint(param_vals, buffer_vals, batch_vals, scale_vals):
         _record_stack_traces()
+        for p in param_vals:  # as eager's zero_grad(set_to_none=True): only this backward's .grad counts
+            p.grad = None
         state = dict(zip(names, list(param_vals) + list(buffer_vals)))
         keys = source.keys or ()
         with autocast(precision), reads.mode() as answered:
@@ -274,6 +281,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         setup_stacktrace_preservation_hooks([loss.grad_fn])
         seed = loss * scale_vals[0] if scale_vals else loss
         grads = torch.autograd.grad(seed, list(param_vals), allow_unused=True)
+        grads = [plus_accumulated(g, p) for g, p in zip(grads, param_vals)]
         return [answered.checks.apply(loss) if answered is not None else loss, *grads]
 
     def trace(stamper: Stamper | None) -> torch.fx.Graph:
@@ -284,7 +292,7 @@ def _trace_joint(model, source: ModelSource, params, buffers, batch, precision: 
         # _module_paths closes them before the node meta they edit is restored
         with fx_traceback.preserve_node_meta(), _module_paths(model), _without_onednn(), \
                 (stamper.active() if stamper else contextlib.nullcontext()), _FailedFakeKernel() as failed, \
-                _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling():
+                _use_lazy_graph_module(True), TorchFramesFilter().active(), _compiling(), no_reseeding():
             try:
                 gm = make_fx(joint, tracing_mode="real")(  # stack traces: see _record_stack_traces
                     [p for _, p in params], [b for _, b in buffers], list(batch), scale)
@@ -364,13 +372,14 @@ def _capture_error(err: Exception, source: ModelSource, op: str | None = None) -
         hint = ("a mixture-of-experts layer (tokens grouped by expert): sbpc does not support MoE layers yet "
                 "(torch traces this op only in bf16, and its groups follow the routing's values)")
     what = "data-dependent control flow" if data_dependent else f"{type(err).__name__}: {text}"
-    branch = _reading_line(err) if data_dependent else None
-    if branch is not None and branch != user_location(err, source.path):  # a library's line (a check of the labels)
-        what += f" at {branch}"
-    if isinstance(err, DynamicOutputShapeException):  # nonzero, masked_select, unique: a mixture of experts' routing
+    dynamic = isinstance(err, DynamicOutputShapeException)
+    if dynamic:  # nonzero, masked_select, unique: a mixture of experts' routing, a CTC head's targets
         what = f"{err.func} makes a tensor whose shape depends on tensor values"
         hint = ("a plan's shapes are fixed at compile time; keep shapes static (torch.where, a mask, "
                 "a fixed capacity) instead of selecting the elements")
+    branch = _reading_line(err) if data_dependent or dynamic else None
+    if branch is not None and branch != user_location(err, source.path):  # a library's line (a check of the labels)
+        what += f" at {branch}"
     return CaptureError(f"cannot trace forward(): {what}" + (f" (in {op})" if op else ""),
                         location=user_location(err, source.path), hint=hint)
 

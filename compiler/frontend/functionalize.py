@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.ir.aten import functional_variant, returns_alias, shares_storage
+from sbpc.compiler.ir.aten import defaults_for, functional_variant, returns_alias, shares_storage
 from sbpc.compiler.ir.types import FreshNames, Node, Ref, Role, TensorType, rename_uses
 
 # A chain: the names of the view results from a base to an alias (the base itself: empty)
@@ -91,7 +91,7 @@ class _Functionalizer:
             return False
         fresh = self.fresh(f"{n.outputs[0]}_f" if n.outputs else f"{target}_f{len(self.out)}")
         ttype = n.types[0] if n.types else self.types[target]
-        self.out.append(replace(n, op=functional, outputs=[fresh], types=[ttype]))
+        self.out.append(replace(n, op=functional, args=defaults_for(n.op, functional, n.args), outputs=[fresh], types=[ttype]))
         self.types[fresh] = ttype
         value = fresh
         for k in range(len(chain) - 1, -1, -1):  # up the chain: each parent gets the new part

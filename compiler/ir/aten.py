@@ -79,6 +79,20 @@ def out_functional(op: str) -> str | None:
     return _pure_overload(ns, packet, overload, skip=("out",))
 
 
+def defaults_for(op: str, variant: str, args: tuple) -> tuple:
+    """``args`` of ``op`` for its ``variant`` (``functional_variant``): the
+    positional arguments ``variant`` requires but ``op`` defaulted, and a trace therefore left
+    out, written out. ``x.bernoulli_(0.5)`` traces as ``bernoulli_.float(x)``, whose ``p=0.5``
+    default ``bernoulli.p`` lacks (F.dropout(p=0.5) draws its mask so)."""
+    given = torch_op(op)._schema.arguments
+    wanted = [a for a in torch_op(variant)._schema.arguments if not a.kwarg_only]
+    missing = wanted[len(args):]
+    if not missing or all(a.has_default_value() for a in missing):
+        return args
+    defaults = {a.name: a.default_value for a in given if a.has_default_value()}
+    return (*args, *(defaults[a.name] for a in missing))
+
+
 def _pure_overload(ns: str, packet: str, overload, skip: tuple[str, ...]) -> str | None:
     """The overload of ``ns.packet`` that mutates nothing and takes ``overload``'s arguments
     (those named in ``skip`` left out), as ``"ns.packet.name"``; None if there is none."""

@@ -237,22 +237,58 @@ class _Cutter:
                 break
             seen.update(o for o in m.outputs if not self.per_mb(o))
         what = f"{n.args[0]} would be gathered over micro-batches ({n.op})"
-        if pairs is not None:
-            return WholeBatchOverMicrobatches(f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}",
-                                location=str(pairs.loc) if pairs.loc else None,
-                                hint="this op relates rows of the batch to each other (a contrastive loss; a mixture of "
-                                     "experts sorting the batch's tokens by expert), so a "
-                                     "pipeline cannot split it into micro-batches; use --microbatches 1 (dp still "
-                                     "splits the batch)")
-        if culprit is None:
-            return WholeBatchOverMicrobatches(f"{what}: an op reads the whole batch at once",
-                                location=str(n.loc) if n.loc else None,
-                                hint="every op downstream has a rule, but none offers a signature that keeps the batch "
-                                     "split for these shapes (docs/sbp_rules.md); use --microbatches 1")
-        return WholeBatchOverMicrobatches(f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}",
-                            location=str(culprit.loc) if culprit.loc else None,
-                            hint=f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 "
-                                 f"or add a rule for {culprit.op} (docs/sbp_rules.md)")
+        reader = self._batch_reader(nodes, at, rules) if culprit is None and pairs is None else None
+        if reader is not None:
+            at_op, message = reader, f"{reader.op} reads the whole batch at once, so {what}"
+            hint = ("its rule keeps no split of the batch for it (it relates rows of the batch to each other: a "
+                    "top-k, sort or flip over the batch, one sample against the others), so a pipeline cannot split "
+                    "it into micro-batches; use --microbatches 1 (dp still splits the batch)")
+        elif pairs is not None:
+            at_op, message = pairs, f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}"
+            hint = ("this op relates rows of the batch to each other (a contrastive loss; a mixture of experts "
+                    "sorting the batch's tokens by expert), so a pipeline cannot split it into micro-batches; use "
+                    "--microbatches 1 (dp still splits the batch)")
+        elif culprit is None:
+            at_op, message = n, f"{what}: an op reads the whole batch at once"
+            hint = ("every op downstream has a rule, but none offers a signature that keeps the batch split for "
+                    "these shapes (docs/sbp_rules.md); use --microbatches 1")
+        else:
+            at_op, message = culprit, f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}"
+            hint = (f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 or add a rule "
+                    f"for {culprit.op} (docs/sbp_rules.md)")
+        return WholeBatchOverMicrobatches(message, location=str(at_op.loc) if at_op.loc else None, hint=hint)
+
+    def _batch_reader(self, nodes: list[Node], at: int, rules) -> Node | None:
+        """The first op downstream of the gather ``nodes[at]`` none of whose signatures on the
+        micro-batch axis keeps the gathered batch dims split: the batch followed op by op (from
+        every gather over micro-batches: the labels are gathered too) through the signatures
+        that keep it (a linear layer's, a per-sample loss's), up to the op that needs all of it
+        (``topk`` over per-sample losses). None where the batch dim is lost on the way (a sum
+        over it) before such an op."""
+        dims: dict[str, int] = {}  # a whole-batch value -> its batch dim
+        downstream = {nodes[at].outputs[0]}
+        types = {i.value: i.type for i in self.g.inputs} | {o: t for m in nodes for o, t in zip(m.outputs, m.types)}
+        for m in nodes:
+            uses = m.uses()
+            if m.op == Collective.ALL_GATHER.op and m.kwargs.get("axis") == MICROBATCH:
+                dims[m.outputs[0]] = m.kwargs["dim"]
+                continue
+            if not any(u in dims for u in uses):
+                continue
+            below = any(u in downstream for u in uses)
+            if below:
+                downstream.update(m.outputs)
+            if not m.op.startswith("aten."):  # boxing on another axis (a shard_slice over tp) keeps the dims
+                dims.update((o, next(dims[u] for u in uses if u in dims)) for o in m.outputs)
+                continue
+            want = tuple(Split(dims[u]) if u in dims else self.sbp[u][self.mb] if self.per_mb(u) else Broadcast()
+                         for u in uses)
+            keeps = [s for s in rules.signatures(m, [types[u] for u in uses], self.g.mesh.microbatches) if s.ins == want]
+            if not keeps and below:
+                return m
+            if keeps:
+                dims.update((o, sbp.dim) for o, sbp in zip(m.outputs, keeps[0].outs) if isinstance(sbp, Split))
+        return None
 
     def _feeds_micro_batches(self, nodes: list[Node], readers: dict[str, list[int]], v: str) -> bool:
         """Whether a per-micro-batch value is computed from ``v`` (a sum over the micro-batches)

@@ -186,10 +186,12 @@ class Eager:
     def on_device(self, batch):
         return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
 
-    def rounding_noise(self, batch, seed: int, loss: torch.Tensor) -> tuple[dict[str, float], float, str | None]:
+    def rounding_noise(self, batch, seed: int, loss: torch.Tensor
+                       ) -> tuple[dict[str, float], dict[str, float], float, str | None]:
         """Eager's own error of each gradient just computed, max|eager - float64| (float32's, or
-        under autocast bf16's or fp16's), and of the loss, from a float64 copy of the model in the
-        same state (without autocast); ({}, 0, why) where that copy cannot stand in."""
+        under autocast bf16's or fp16's), of each floating-point buffer the forward wrote, and of
+        the loss, from a float64 copy of the model in the same state (without autocast);
+        ({}, {}, 0, why) where that copy cannot stand in."""
         try:
             twin = copy.deepcopy(self.model, _detached_attributes(self.model)).double()
             twin.zero_grad(set_to_none=True)  # the copy took float32's gradients along
@@ -201,14 +203,16 @@ class Eager:
             with Float32Draws(), Float64Kernels():
                 loss64 = _forward_backward(twin, tree_map(_to_double, self.on_device(batch)), seed, keys=self.keys)
         except Exception as e:  # the user's model need not run in float64: judge without the term
-            return {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+            return {}, {}, 0.0, f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
         same = SAME_FUNCTION if self.precision.compute == Precision.FP32 else SAME_FUNCTION_LOW
         if abs(float(loss64) - float(loss)) > same * max(abs(float(loss64)), 1e-12):
-            return {}, 0.0, (f"no float64 reference (its loss {float(loss64):.8g} is not "
+            return {}, {}, 0.0, (f"no float64 reference (its loss {float(loss64):.8g} is not "
                              f"{self.precision.compute}'s {float(loss):.8g})")
-        twins = dict(twin.named_parameters())
+        twins, twin_buffers = dict(twin.named_parameters()), dict(plan_buffers(twin))
         return ({name: deviation(p.grad, twins[name].grad, 1.0) for name, p in self.named.items()
-                 if p.grad is not None and twins[name].grad is not None}, abs(float(loss64) - float(loss)), None)
+                 if p.grad is not None and twins[name].grad is not None},
+                {name: deviation(b, twin_buffers[name], 1.0) for name, b in plan_buffers(self.model)
+                 if b.is_floating_point()}, abs(float(loss64) - float(loss)), None)
 
     def load(self, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor],
              buffers: dict[str, torch.Tensor]) -> None:
@@ -335,18 +339,22 @@ def run_check(plan: Plan, source: ModelSource | None, runner: Runner, optimizer:
         # loss and gradients from the plan's parameters S_t
         eager.load(params, states, buffers)
         loss = eager.forward_backward(batch, step_seed(seed, step))
-        # the buffers after the forward (BatchNorm's running statistics), from the same S_t and batch
-        eager_buffers = plan_tensors(eager.model)
-        for name, got in new_buffers.items():
-            ref = eager_buffers[name]
-            row.update.update(name, deviation(got, ref, max(amax(ref), 1e-30)))
-        for b in plan.written_buffers:
-            if b.name not in new_buffers:
-                row.update.update(f"{b.name} (the plan returned none)", float("inf"))
         row.loss_eager = float(loss)
         refs = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in eager.named.items()}
         finite = _finite(refs.values())
-        noise, loss_noise, why = eager.rounding_noise(batch, step_seed(seed, step), loss) if finite else ({}, 0.0, None)
+        noise, buffer_noise, loss_noise, why = (eager.rounding_noise(batch, step_seed(seed, step), loss) if finite
+                                                else ({}, {}, 0.0, None))
+        # the buffers after the forward (BatchNorm's running statistics), from the same S_t and
+        # batch; on eager's own error too (a running mean that is zero in exact arithmetic, of
+        # a BatchNorm after a BatchNorm, is rounding noise, which a dp split sums in another order)
+        eager_buffers = plan_tensors(eager.model)
+        for name, got in new_buffers.items():
+            ref = eager_buffers[name]
+            scale = max(amax(ref), buffer_noise.get(name, 0.0) / NOISE_RESOLUTION, 1e-30)
+            row.update.update(name, deviation(got, ref, scale))
+        for b in plan.written_buffers:
+            if b.name not in new_buffers:
+                row.update.update(f"{b.name} (the plan returned none)", float("inf"))
         low = COMPUTE_DTYPE[plan.precision.compute]  # a low-precision draw of rounding may be unluckily small
         noise = {name: low_precision_noise(noise.get(name, 0.0), amax(g), low) for name, g in refs.items()}
         loss_noise = low_precision_noise(loss_noise, abs(float(loss)), low)

@@ -12,7 +12,8 @@ of a scale; the check passes when the largest over steps and tensors is within t
             the size of torch's step (floored at the parameter's own resolution);
             optimizer state: max|plan - torch| / max|torch|
             buffer (after the step's forward, from the plan's S_t buffers: BatchNorm's running
-            statistics): max|plan - torch| / max|torch|
+            statistics): max|plan - torch| / max(max|torch|, n / NOISE_RESOLUTION), n its
+            max|eager - eager in float64|
 
 Every difference is taken in double precision (complex128 for a complex tensor).
 """
