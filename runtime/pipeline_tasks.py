@@ -91,8 +91,9 @@ class TaskGraph:
         self.bodies: dict[tuple[int, str, int], Body] = {}
         self.producer: dict[str, tuple[int, str, int]] = {}
         items = list(items)
-        self.feeds_send = _feeds_send(items)  # per item (position): see _feeds_send
-        parts = _opt_parts(items, self.feeds_send)
+        readers = _readers(items)  # once for both walks (a 1T program has ~35k items)
+        self.feeds_send = _feeds_send(items, readers)  # per item (position): see _feeds_send
+        parts = _opt_parts(items, self.feeds_send, readers)
         for it, part in zip(items, parts):
             key = (it.chunk, it.phase, part)
             body = self.bodies.setdefault(key, Body(*key))
@@ -254,13 +255,18 @@ def fmt(t: Task) -> str:
     return f"{names[t.phase]}{t.chunk}" + ("" if t.mb is None else f".{t.mb}") + (f"/{t.part}" if t.part else "")
 
 
-def _feeds_send(items: list[Item]) -> list[bool]:
-    """Per item: an ``opt`` instruction that a transfer's value is computed from, on its chunk
-    (such an instruction is never moved to a later part: ``_opt_parts``)."""
+def _readers(items: list[Item]) -> dict[str, list[int]]:
+    """Value -> the positions of the items that read it, in order (once per read)."""
     readers: dict[str, list[int]] = {}
     for k, it in enumerate(items):
         for u in it.uses:
             readers.setdefault(u, []).append(k)
+    return readers
+
+
+def _feeds_send(items: list[Item], readers: dict[str, list[int]]) -> list[bool]:
+    """Per item: an ``opt`` instruction that a transfer's value is computed from, on its chunk
+    (such an instruction is never moved to a later part: ``_opt_parts``). ``readers``: ``_readers(items)``."""
     feeds = [False] * len(items)
     for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
         it = items[k]
@@ -271,7 +277,7 @@ def _feeds_send(items: list[Item]) -> list[bool]:
     return feeds
 
 
-def _opt_parts(items: list[Item], feeds_send: list[bool]) -> list[int]:
+def _opt_parts(items: list[Item], feeds_send: list[bool], readers: dict[str, list[int]]) -> list[int]:
     """The part of every ``opt`` instruction (0 for the others), per item. As early as it can
     run: one more than the part of what a transfer into it carries, else the largest part among
     the same chunk's ``opt`` values it reads. Then what is sent, what a sent value is computed
@@ -292,14 +298,10 @@ def _opt_parts(items: list[Item], feeds_send: list[bool]) -> list[int]:
     while changed:  # a fixed point; rounds = the longest chain of opt-phase transfers + 1
         changed = False
         for k, transfer, srcs in opt:
-            want = max((part[p] for p in srcs), default=0) + (1 if transfer and srcs else 0)
+            want = max(map(part.__getitem__, srcs), default=0) + (1 if transfer and srcs else 0)
             if part[k] != want:
                 part[k] = want
                 changed = True
-    readers: dict[str, list[int]] = {}
-    for k, it in enumerate(items):
-        for u in it.uses:
-            readers.setdefault(u, []).append(k)
     for k in reversed(range(len(items))):  # readers first: the items are in program order, a topological one
         it = items[k]
         if it.phase != "opt" or it.op == TRANSFER or feeds_send[k]:

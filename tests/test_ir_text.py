@@ -309,3 +309,20 @@ def test_error_input_after_node():
 def test_error_empty_text_and_default_source():
     with pytest.raises(IRError, match=r"^<ir>:1:1: unexpected end of input, expected 'graph'"):
         parse_graph("")
+
+
+def test_node_replace_is_dataclasses_replace_with_the_uses_it_reads():
+    """Node.replace (the passes' fast copy) makes the node dataclasses.replace makes, and its
+    uses follow new arguments while unchanged ones keep the cached tuple."""
+    import dataclasses
+
+    n = Node(["y"], "aten.add.Tensor", (Ref("a"), Ref("b")), {"alpha": 1}, [TensorType((2,), F32)], Role.FORWARD,
+             why="hinted")
+    uses = n.uses()
+    same = n.replace(stage=3, sbp=[(Broadcast(),)])
+    assert same == dataclasses.replace(n, stage=3, sbp=[(Broadcast(),)]) and same.why == "hinted"
+    assert same.uses() is uses
+    moved = n.replace(args=(Ref("c"),), kwargs={"out": [Ref("d")]})
+    assert moved.uses() == ("c", "d") and n.uses() == ("a", "b")
+    with pytest.raises(TypeError, match="no field '_uses'"):
+        n.replace(_uses=None)

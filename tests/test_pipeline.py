@@ -274,7 +274,7 @@ def test_update_parts_keep_a_running_sum_over_stages_scalar():
     the update. Each chunk's own terms (its pass over its gradients) run in the first part, so
     the chain carries scalars only; a value only a later part reads (an update's denominator)
     still moves into that part rather than being held across the parts."""
-    from sbpc.runtime.pipeline_tasks import TRANSFER, Item, _feeds_send, _opt_parts
+    from sbpc.runtime.pipeline_tasks import TRANSFER, Item, _feeds_send, _opt_parts, _readers
 
     def op(i, name, outs, uses, chunk):
         return Item(i, name, outs, uses, "opt", chunk)
@@ -293,7 +293,7 @@ def test_update_parts_keep_a_running_sum_over_stages_scalar():
         op(15, "aten.where.self", ("p1n",), ("k1", "p1", "u1", "d1"), 1),
         op(16, "aten.where.self", ("p2n",), ("skip", "p2", "u2"), 2),
     ]
-    part = dict(zip((it.outs[0] for it in items), _opt_parts(items, _feeds_send(items))))
+    part = dict(zip((it.outs[0] for it in items), _opt_parts(items, _feeds_send(items, _readers(items)), _readers(items))))
     assert [part[v] for v in ("u0", "c0", "u1", "c1", "u2", "c2")] == [0] * 6  # each stage's own pass, at once
     assert (part["r1"], part["s1"], part["r2"], part["s2"], part["k1"]) == (1, 1, 2, 2, 3)  # the chain: scalars
     assert part["d1"] == part["p1n"] == 3  # made where it is read, not held from part 0

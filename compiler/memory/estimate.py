@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sbpc.compiler.memory.storages import Storages, Term
+from sbpc.compiler.memory.storages import TERMS, Storages, Term
 from sbpc.compiler.ir.types import Graph, InputKind, Node, OutputKind, Role
 from sbpc.runtime.kinds import ISSUE, WAIT, Collective, MemoryKind
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, Task, fmt
@@ -59,7 +59,7 @@ def _add_into(total: dict[Term, int], part: dict[Term, int], sign: int) -> None:
 
 def _add(*parts: dict[Term, int]) -> dict[Term, int]:
     # summed part by part, not term by term over every part: called ~22k times at 1T
-    out = dict.fromkeys(Term, 0)
+    out = dict.fromkeys(TERMS, 0)
     for p in parts:
         for t, b in p.items():
             out[t] += b
@@ -108,8 +108,8 @@ def _task_profile(store: Storages, kernels: list[tuple[int, Node]], kept: set[st
         deaths.setdefault(end[r], []).append(r)
     live: set[str] = set()
     b = best = 0
-    best_terms = dict.fromkeys(Term, 0)
-    terms = dict.fromkeys(Term, 0)  # the live bytes by term, kept as they change: a forward peaks at every op
+    best_terms = dict.fromkeys(TERMS, 0)
+    terms = dict.fromkeys(TERMS, 0)  # the live bytes by term, kept as they change: a forward peaks at every op
     for k in range(last):
         new = births.get(k, ())
         live.update(new)
@@ -159,8 +159,10 @@ def _estimate(graph: Graph, store: Storages, timeline: list[Moment] | None) -> l
     from sbpc.compiler.passes.schedule import task_graph  # the schedule pass's own task graph
 
     tg = task_graph(graph)
-    acc_of = {n.args[0].name: n.outputs[0] for n in graph.nodes if n.op == ACCUMULATE}  # once, not per stage
-    return [_pipelined_stage(graph, tg, store, acc_of, s, state[s], sbp_devices, timeline)
+    # once, not per stage (64 at 1T, each reading ~100k graph inputs otherwise)
+    acc_of = {n.args[0].name: n.outputs[0] for n in graph.nodes if n.op == ACCUMULATE}
+    input_kind = {i.value: i.kind for i in graph.inputs}
+    return [_pipelined_stage(graph, tg, store, acc_of, input_kind, s, state[s], sbp_devices, timeline)
             for s in range(graph.schedule.stages)]
 
 
@@ -209,17 +211,22 @@ def _one_program(graph: Graph, store: Storages, state, ranks: int) -> RoleMemory
     return _role(0, 1, ranks, peak, state)
 
 
-def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], stage: int, state, ranks: int,
-                     timeline: list[Moment] | None) -> RoleMemory:
-    """``acc_of``: each accumulated value -> its ``mb_accumulate`` result."""
+def _pipelined_stage(graph: Graph, tg, store: Storages, acc_of: dict[str, str], input_kind: dict[str, InputKind],
+                     stage: int, state, ranks: int, timeline: list[Moment] | None) -> RoleMemory:
+    """``acc_of``: each accumulated value -> its ``mb_accumulate`` result; ``input_kind``: each
+    graph input's value -> its kind."""
     spec = graph.schedule
     pp, m = spec.stages, spec.microbatches
     nodes = graph.nodes
     mine = {k: b for k, b in tg.bodies.items() if k[0] % pp == stage}
     order = [Task(t.chunk, t.phase, t.mb, t.part) for t in spec.order[stage]]
     inputs_here = {u for b in mine.values() for u in b.inputs}
-    persistent = {store.root[i.value] for i in graph.inputs if i.kind != InputKind.BATCH and i.value in inputs_here}
-    batch = {store.root[i.value] for i in graph.inputs if i.kind == InputKind.BATCH and i.value in inputs_here}
+    persistent: set[str] = set()
+    batch: set[str] = set()
+    for v in inputs_here:
+        kind = input_kind.get(v)
+        if kind is not None:
+            (batch if kind == InputKind.BATCH else persistent).add(store.root[v])
     last_of_mb: dict[int, Task] = {}
     for t in order:
         if t.mb is not None:
@@ -313,7 +320,7 @@ class _Kept:
         self.store, self.skip = store, skip
         self.count: dict[tuple, int] = {}  # key -> how many of the sets hold it
         self.nbytes = 0
-        self.terms = dict.fromkeys(Term, 0)
+        self.terms = dict.fromkeys(TERMS, 0)
 
     def join(self, target: set[tuple], keys: set[tuple]) -> None:
         """``target |= keys``, counted."""

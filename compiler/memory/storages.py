@@ -39,6 +39,13 @@ class Term(enum.Enum):
     BUFFERS = "buffers"
     TEMPORARIES = "temporaries"
 
+    # members are singletons compared by identity: hashed by it too, in C (Enum's __hash__ is a
+    # Python call, and the estimate keys ~3M dict updates by term at 1T)
+    __hash__ = object.__hash__
+
+
+TERMS = tuple(Term)  # iterating the Enum class runs a generator: ~90k byte-by-term dicts at 1T start from this
+
 
 @dataclass
 class _Storage:
@@ -73,8 +80,7 @@ class Storages:
         wait_of = {n.args[0].name: n for n in graph.nodes if n.op == WAIT}
         flying: set[str] = set()  # works whose results are allocated at their issue
         for n in graph.nodes:
-            sbps = n.sbp or [None] * len(n.outputs)
-            firsts = [u for u in n.uses()]
+            firsts = n.uses()
             if n.op in (ISSUE, WAIT):
                 self._overlapped(n, wait_of, flying, value_bytes, grads, graph.mesh, memory)
                 continue
@@ -87,7 +93,8 @@ class Storages:
                 for o in n.outputs:
                     self.root[o] = self.root[firsts[0]]
                 continue
-            nbytes = [t.local_nbytes(nd, sizes) if n.memory == memory else 0 for t, nd in zip(n.types, sbps)]
+            # the bytes value_bytes holds already (one function of the type and nd-SBP)
+            nbytes = [value_bytes[o] for o in n.outputs] if n.memory == memory else [0] * len(n.outputs)
             staged = _staging(Collective.of(n.op), n.kwargs, [value_bytes.get(u, 0) for u in n.uses()], nbytes, graph.mesh)
             if staged and n.memory == memory:
                 self.staging[id(n)] = staged
@@ -140,7 +147,7 @@ class Storages:
         return sum(self.store[r].nbytes for r in roots)
 
     def by_term(self, roots, held: bool) -> dict[Term, int]:
-        out = dict.fromkeys(Term, 0)
+        out = dict.fromkeys(TERMS, 0)
         for r in roots:
             s = self.store[r]
             out[s.held_term if held else s.term] += s.nbytes

@@ -216,7 +216,7 @@ def _rename_positions(n: Node, new: list[str]) -> Node:
     it = iter(new)
     args = tuple(_next_refs(a, it) for a in n.args)
     kwargs = {k: _next_refs(v, it) for k, v in n.kwargs.items()}
-    return replace(n, args=args, kwargs=kwargs)
+    return n.replace(args=args, kwargs=kwargs)
 
 
 def _next_refs(a, it):

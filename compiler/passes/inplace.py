@@ -220,11 +220,11 @@ def _overwrite_dead(graph: Graph, where: _Where) -> list[Node]:
             nodes.append(n)
             continue
         if n.role == Role.BACKWARD and not free(n.args[0].name) and free(n.args[1].name):
-            n = replace(n, args=(n.args[1], n.args[0]))  # an accumulation: a + b == b + a bit for bit
+            n = n.replace(args=(n.args[1], n.args[0]))  # an accumulation: a + b == b + a bit for bit
         x, op = n.args[0].name, _inplace_variant(n.op)
         if op and free(x):
             s = store.find(x)
-            n = replace(n, op=op)
+            n = n.replace(op=op)
             out = store.find(n.outputs[0])
             store.add(n)  # from here on the result is x's storage
             merged = store.find(x)
@@ -447,5 +447,5 @@ def _foreach_node(plan: _Plan, members: list[Node]) -> Node:
         known = {}
         for m in members:
             known.update(sbp_of(m))
-        node = replace(node, sbp_in=[known[u] for u in node.uses()])
+        node = node.replace(sbp_in=[known[u] for u in node.uses()])
     return node

@@ -57,7 +57,7 @@ def _reshape(n: Node) -> Node:
     even of a replicated value (e.g. ``permute(2, 0, 1, 3).view`` after attention on gathered
     heads, where the trace's ``contiguous()`` was a no-op and left no copy). The graph is
     functional, so reshape (a copy only where needed) computes the same value."""
-    return replace(n, op="aten.reshape.default") if n.op in _VIEWS else n
+    return n.replace(op="aten.reshape.default") if n.op in _VIEWS else n
 
 
 def _replicated(n: Node) -> bool:

@@ -96,10 +96,10 @@ class Overlap:
             w = f"{n.outputs[0]}_work"
             nd_b = [tuple(Broadcast() for _ in (n.sbp[0] if n.sbp else ()))]
             kind = Collective.of(n.op)
-            out.append((issue_at[i] - 1e-6, 1, replace(n, outputs=[w], op=ISSUE, kwargs={"kind": kind.value, **n.kwargs},
+            out.append((issue_at[i] - 1e-6, 1, n.replace(outputs=[w], op=ISSUE, kwargs={"kind": kind.value, **n.kwargs},
                                                        types=[WORK], sbp=nd_b if n.sbp else None,
                                                        why=f"{kind.value} issued here, waited for at its first reader")))
-            out.append((wait_at[i], 2, replace(n, op=WAIT, args=(Ref(w),), kwargs={},
+            out.append((wait_at[i], 2, n.replace(op=WAIT, args=(Ref(w),), kwargs={},
                                                sbp_in=nd_b if n.sbp_in else None)))
         out.sort(key=lambda t: (t[0], t[1]))
         nodes = _work_under_issues([n for _, _, n in out], one_task)

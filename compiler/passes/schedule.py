@@ -205,9 +205,9 @@ class _Cutter:
         for i, n in enumerate(nodes):
             if role[i] == Role.OPTIMIZER and any(self.per_mb(o) for o in n.outputs):
                 raise _gradient_of_a_batch_value_error(n)
-            n = replace(n, role=role[i])
+            n = n.replace(role=role[i])
             if self._is_mb_reduce(n):
-                n = replace(n, op=ACCUMULATE, kwargs={"reduce": n.kwargs.get("reduce", "sum")},
+                n = n.replace(op=ACCUMULATE, kwargs={"reduce": n.kwargs.get("reduce", "sum")},
                             stage=nodes[self.producer[n.args[0].name]].stage if n.args[0].name in self.producer else n.stage)
             out.append(n)
         return _stable_phase_sort(out)

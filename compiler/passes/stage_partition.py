@@ -46,7 +46,7 @@ class StagePartition:
                 raise UsageError(f"{key} must be an integer >= 1, not {value!r}")
         chunks = graph.mesh.size("pp") * self.virtual_stages
         stages = assign_stages(graph, chunks, self.policy, self.microbatches)
-        out = replace(graph, nodes=[replace(n, stage=s) for n, s in zip(graph.nodes, stages)])
+        out = replace(graph, nodes=[n.replace(stage=s) for n, s in zip(graph.nodes, stages)])
         out = per_chunk_hyper_ops(out)
         hinted = sorted({n.stage for n in graph.nodes if n.stage is not None and n.role == Role.FORWARD})
         check_stages(out, chunks, hinted)
@@ -136,7 +136,7 @@ def per_chunk_hyper_ops(graph: Graph) -> Graph:
         for c in sorted({home} | need[k]):
             outs = n.outputs if c == home else [fresh(f"{o}_chunk{c}") for o in n.outputs]
             name.update(((o, c), new) for o, new in zip(n.outputs, outs) if c != home)
-            out.append(replace(rename_uses(n, lambda v: name.get((v, c), v)), outputs=outs, stage=c))
+            out.append(rename_uses(n, lambda v: name.get((v, c), v)).replace(outputs=outs, stage=c))
     return replace(graph, nodes=out)
 
 

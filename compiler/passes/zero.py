@@ -378,7 +378,7 @@ def _recompute_param_values(nodes: list[Node], params: set[str], fresh: FreshNam
             # the chunk of its (first) backward reader: none before stage-partition, which
             # places backward ops itself (a hinted forward op's chunk would mark the graph as
             # partitioned, and the IR verifier then wants a chunk on every op)
-            out.append(replace(rename_uses(p, lambda u: uses.get(u, u)), outputs=names, role=role, stage=stage))
+            out.append(rename_uses(p, lambda u: uses.get(u, u)).replace(outputs=names, role=role, stage=stage))
             for o, name in zip(p.outputs, names):
                 copies[(o, role)] = name
         return copies[(v, role)]

@@ -369,7 +369,7 @@ class Solver:
             if not ok:  # a bug in a move: never emit a wrong plan
                 raise RuntimeError(f"the SBP search chose an inexact signature for {n.op} -> %{n.outputs[0]}: "
                                    f"{list(c.ins)} -> {list(c.outs)}")
-            nodes.append(replace(n, sbp=[tuple(o) for o in c.outs], sbp_in=[tuple(i) for i in c.ins],
+            nodes.append(n.replace(sbp=[tuple(o) for o in c.outs], sbp_in=[tuple(i) for i in c.ins],
                                  why=whys[r]))
         inputs = [replace(i, sbp=tuple(st.sbp[i.value]), why=st.why[i.value]) for i in st.graph.inputs]
         return replace(st.graph, inputs=inputs, nodes=nodes, regather=st.regathered())

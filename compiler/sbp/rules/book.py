@@ -258,7 +258,7 @@ class RuleBook:
     def localize(self, node: Node, in_nd: list[NdSbp], out_nd: list[NdSbp], sizes: tuple[int, ...],
                  axes: tuple[str, ...]) -> list[Node]:
         rule = self.rule(node.op)
-        new = replace(node, sbp=list(out_nd), args=tuple(node.args), kwargs=dict(node.kwargs))
+        new = node.replace(sbp=list(out_nd), args=tuple(node.args), kwargs=dict(node.kwargs))
         if rule is None or rule.family not in LOCALIZERS:
             return [new]
         params = self._params.get(node.op) or op_params(node.op)
