@@ -16,7 +16,7 @@ from sbpc.compiler.frontend.optim import OptimizerConfig
 from sbpc.compiler.memory_options import MemoryOptions
 from sbpc.compiler.pass_manager import CompileContext, PassManager
 from sbpc.compiler.passes import PipelineOptions, default_pipeline
-from sbpc.compiler.passes.schedule import WholeBatchOverMicrobatches
+from sbpc.compiler.pipelining.whole_batch import WholeBatchOverMicrobatches
 from sbpc.compiler.memory.estimate import fits
 from sbpc.compiler.sbp.cost_model import MEMORY_PRICES
 from sbpc.errors import CompileError

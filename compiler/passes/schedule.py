@@ -35,17 +35,12 @@ from sbpc.compiler.sbp.boxing_plan import SEQUENTIAL_STEPS
 from sbpc.compiler.sbp.cost_model import AlphaBeta, CostModel
 from sbpc.compiler.ir.mesh import MICROBATCH
 from sbpc.compiler.pipelining.schedule_sim import Simulation, TaskCost, simulate
+from sbpc.compiler.pipelining.whole_batch import gradient_of_a_batch_value_error, whole_batch_error
 from sbpc.errors import CompileError, ModelError, PlanError
 from sbpc.runtime.pipeline_tasks import ACCUMULATE, TRANSFER, Item, TaskGraph, replay
 from sbpc.runtime.kinds import Collective, ScheduleName
 from sbpc.runtime.plan import PipelineSpec, ReplicaUpdate, TaskRef
 from sbpc.runtime.sbp import Broadcast, Split, local_shape
-
-class WholeBatchOverMicrobatches(CompileError):
-    """An op must see the whole batch at once (a contrastive loss, a mixture of experts sorting the
-    batch's tokens), so the step cannot be split into micro-batches. The driver then runs a
-    default micro-batch count as one micro-batch; a count the user asked for is refused."""
-
 
 _SEQUENTIAL_OK = {k.op for k in SEQUENTIAL_STEPS}  # what may run over micro-batches
 # the *_like factories of a backward seed, by the value they fill in (full_like: its argument)
@@ -177,7 +172,7 @@ class _Cutter:
     def _phases(self, nodes: list[Node]) -> list[Node]:
         for i, n in enumerate(nodes):
             if n.kwargs.get("axis") == MICROBATCH and n.op not in _SEQUENTIAL_OK:
-                raise self._whole_batch_error(nodes, i)
+                raise whole_batch_error(self.g, nodes, i, self.per_mb, self.sbp, self.mb)
         role = [n.role for n in nodes]
         ancestors_bwd = self._reaches_backward(nodes)
         readers = users(nodes)
@@ -204,7 +199,7 @@ class _Cutter:
         out = []
         for i, n in enumerate(nodes):
             if role[i] == Role.OPTIMIZER and any(self.per_mb(o) for o in n.outputs):
-                raise _gradient_of_a_batch_value_error(n)
+                raise gradient_of_a_batch_value_error(n)
             n = n.replace(role=role[i])
             if self._is_mb_reduce(n):
                 n = n.replace(op=ACCUMULATE, kwargs={"reduce": n.kwargs.get("reduce", "sum")},
@@ -214,81 +209,6 @@ class _Cutter:
 
     def _is_mb_reduce(self, n: Node) -> bool:
         return n.op == Collective.ALL_REDUCE.op and n.kwargs.get("axis") == MICROBATCH
-
-    def _whole_batch_error(self, nodes: list[Node], at: int) -> WholeBatchOverMicrobatches:
-        """The error for a collective over micro-batches, naming the op that makes it needed: the
-        solver may gather anywhere upstream of an op that must see the whole batch, so the first
-        op among the whole-batch values downstream that has no SBP rule, or that reads them with
-        a micro-batch's values (CLIP's similarity of every text with every image), is the
-        culprit."""
-        from sbpc.compiler.sbp.rules import RuleBook
-
-        n = nodes[at]
-        rules, seen, culprit, pairs = RuleBook.load(), set(n.outputs), None, None
-        for j in range(at + 1, len(nodes)):
-            m = nodes[j]
-            if not any(u in seen for u in m.uses()):
-                continue
-            if m.op.startswith("aten.") and not rules.has_rule(m.op):
-                culprit = m
-                break
-            if any(u not in seen and self.per_mb(u) for u in m.uses()):
-                pairs = m
-                break
-            seen.update(o for o in m.outputs if not self.per_mb(o))
-        what = f"{n.args[0]} would be gathered over micro-batches ({n.op})"
-        reader = self._batch_reader(nodes, at, rules) if culprit is None and pairs is None else None
-        if reader is not None:
-            at_op, message = reader, f"{reader.op} reads the whole batch at once, so {what}"
-            hint = ("its rule keeps no split of the batch for it (it relates rows of the batch to each other: a "
-                    "top-k, sort or flip over the batch, one sample against the others), so a pipeline cannot split "
-                    "it into micro-batches; use --microbatches 1 (dp still splits the batch)")
-        elif pairs is not None:
-            at_op, message = pairs, f"{pairs.op} reads the whole batch with one micro-batch's rows, so {what}"
-            hint = ("this op relates rows of the batch to each other (a contrastive loss; a mixture of experts "
-                    "sorting the batch's tokens by expert), so a pipeline cannot split it into micro-batches; use "
-                    "--microbatches 1 (dp still splits the batch)")
-        elif culprit is None:
-            at_op, message = n, f"{what}: an op reads the whole batch at once"
-            hint = ("every op downstream has a rule, but none offers a signature that keeps the batch split for "
-                    "these shapes (docs/sbp_rules.md); use --microbatches 1")
-        else:
-            at_op, message = culprit, f"{culprit.op} has no SBP rule, so it runs on the whole batch and {what}"
-            hint = (f"a pipeline needs every op that reads the batch to split it; use --microbatches 1 or add a rule "
-                    f"for {culprit.op} (docs/sbp_rules.md)")
-        return WholeBatchOverMicrobatches(message, location=str(at_op.loc) if at_op.loc else None, hint=hint)
-
-    def _batch_reader(self, nodes: list[Node], at: int, rules) -> Node | None:
-        """The first op downstream of the gather ``nodes[at]`` none of whose signatures on the
-        micro-batch axis keeps the gathered batch dims split: the batch followed op by op (from
-        every gather over micro-batches: the labels are gathered too) through the signatures
-        that keep it (a linear layer's, a per-sample loss's), up to the op that needs all of it
-        (``topk`` over per-sample losses). None where the batch dim is lost on the way (a sum
-        over it) before such an op."""
-        dims: dict[str, int] = {}  # a whole-batch value -> its batch dim
-        downstream = {nodes[at].outputs[0]}
-        types = {i.value: i.type for i in self.g.inputs} | {o: t for m in nodes for o, t in zip(m.outputs, m.types)}
-        for m in nodes:
-            uses = m.uses()
-            if m.op == Collective.ALL_GATHER.op and m.kwargs.get("axis") == MICROBATCH:
-                dims[m.outputs[0]] = m.kwargs["dim"]
-                continue
-            if not any(u in dims for u in uses):
-                continue
-            below = any(u in downstream for u in uses)
-            if below:
-                downstream.update(m.outputs)
-            if not m.op.startswith("aten."):  # boxing on another axis (a shard_slice over tp) keeps the dims
-                dims.update((o, next(dims[u] for u in uses if u in dims)) for o in m.outputs)
-                continue
-            want = tuple(Split(dims[u]) if u in dims else self.sbp[u][self.mb] if self.per_mb(u) else Broadcast()
-                         for u in uses)
-            keeps = [s for s in rules.signatures(m, [types[u] for u in uses], self.g.mesh.microbatches) if s.ins == want]
-            if not keeps and below:
-                return m
-            if keeps:
-                dims.update((o, sbp.dim) for o, sbp in zip(m.outputs, keeps[0].outs) if isinstance(sbp, Split))
-        return None
 
     def _feeds_micro_batches(self, nodes: list[Node], readers: dict[str, list[int]], v: str) -> bool:
         """Whether a per-micro-batch value is computed from ``v`` (a sum over the micro-batches)
@@ -502,16 +422,3 @@ def _stable_phase_sort(nodes: list[Node]) -> list[Node]:
 
 def _rename(n: Node, renames: dict[str, str]) -> Node:
     return rename_uses(n, lambda u: renames.get(u, u))
-
-
-def _gradient_of_a_batch_value_error(n: Node) -> WholeBatchOverMicrobatches:
-    """A micro-batch's op that must wait for a sum over every micro-batch made after the forward:
-    the gradient of a statistic of the whole batch (a mean over the batch dim added back into
-    each sample), which every micro-batch's backward needs before it can go on. Named at the op:
-    a backward op carries its forward op's line, the statistic's."""
-    return WholeBatchOverMicrobatches(f"a sum over the whole batch is needed by every micro-batch's backward ({n.op}), "
-                                      "so no micro-batch can finish before all have: a pipeline cannot split this step",
-                                      location=str(n.loc) if n.loc else None,
-                                      hint="a statistic over the batch dim (a mean or max over samples) whose gradient "
-                                           "flows back into each sample: compute it per sample, or run with "
-                                           "--microbatches 1")
