@@ -5,7 +5,8 @@ import io
 import time
 from dataclasses import dataclass, field, replace
 
-from sbpc.compiler.frontend.capture import BufferWritesOverMicrobatches, capture
+from sbpc.compiler.frontend.buffer_updates import BufferWritesOverMicrobatches
+from sbpc.compiler.frontend.capture import capture
 from sbpc.compiler.gc_pause import no_cycle_collection
 from sbpc.compiler.frontend.hints import ParallelConfig
 from sbpc.compiler.ir.types import Graph

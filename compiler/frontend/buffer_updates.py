@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sbpc.compiler.ir.aten import defaults_for, functional_variant, out_functional, shares_storage
+from sbpc.compiler.ir.mesh import Mesh
 from sbpc.compiler.ir.types import GraphInput, InputKind, Node, Ref, rename_uses
 from sbpc.errors import ModelError
 
@@ -92,3 +93,22 @@ def _rewrite(n: Node, latest: dict[str, str], type_of: dict) -> tuple[Node, list
     node = replace(n, op=functional, args=defaults_for(n.op, functional, n.args), outputs=[fresh],
                    types=n.types or [type_of[latest[target.name]]])
     return node, [(latest[target.name], fresh)]
+
+
+class BufferWritesOverMicrobatches(ModelError):
+    """The forward updates buffers and the mesh has micro-batches: the driver retries with one
+    micro-batch a step where the count was only the default."""
+
+
+def refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
+    """Each micro-batch's forward would update the buffer in turn, a dependency from one
+    micro-batch's forward to the next that the schedule does not model (docs/training.md)."""
+    if not writes or mesh.microbatches == 1:
+        return
+    name, value = next(iter(writes.items()))
+    loc = next((n.loc for n in nodes if value in n.outputs), None)
+    raise BufferWritesOverMicrobatches(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is "
+                                       f"not supported with {mesh.microbatches} micro-batches yet",
+                                       location=str(loc) if loc else None,
+                                       hint="compile with --microbatches 1 (a pipeline then runs one micro-batch a "
+                                            "step), or call .eval() on that module in build_model")

@@ -35,7 +35,7 @@ from sbpc.compiler.frontend.fx_import import MODULE_KEY, import_fx, tensor_type,
 from sbpc.compiler.frontend import loss_scale
 from sbpc.compiler.frontend.as_strided import plain_views
 from sbpc.compiler.frontend.rowwise_modules import rowwise_modules
-from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes
+from sbpc.compiler.frontend.buffer_updates import functionalize_buffer_writes, refuse_microbatched_writes
 from sbpc.compiler.frontend.rrelu import rrelu_as_leaky_relu
 from sbpc.compiler.frontend.constant_reads import ConstantReads
 from sbpc.compiler.frontend.eager_effects import no_reseeding, plus_accumulated
@@ -90,7 +90,6 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
                 scale = [torch.empty((), dtype=torch.float32)] if precision.loss_scaling else []
                 repeated = find_repeated(model, config) if stamp else None
                 graph = _trace_joint(model, source, params, buffers, batch, precision.compute, scale, repeated)
-            rowwise = rowwise_modules(model)
             init_nodes, init_outputs = recorder.to_init_region(params + buffers)
     finally:
         ACTIVE.reset(token)
@@ -110,7 +109,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     nodes, renamed = functionalize(unreduce(nodes, types), {i.value for i in inputs}, read_after)
     nodes = draw_in_memory_order(nodes, memory_orders(graph, names))
     buffer_writes = {name: renamed.get(v, v) for name, v in buffer_writes.items()}
-    _refuse_microbatched_writes(buffer_writes, nodes, mesh)
+    refuse_microbatched_writes(buffer_writes, nodes, mesh)
     hinted = hint_inputs(inputs, param_hints)
     if hinted:
         to_hint = {n.args[0].name: n.outputs[0] for n in hinted}
@@ -140,7 +139,7 @@ def capture(source: ModelSource, mesh: Mesh, batch_size: int, optimizer: Optimiz
     outputs += [GraphOutput(OutputKind.UPDATE, v, name) for name, v in buffer_writes.items()]
     inputs, outputs = _canonical_order(inputs, outputs)
     return Graph(name=model_name(source.path), mesh=mesh, inputs=inputs, nodes=nodes,
-                 outputs=outputs, init=init_nodes, init_outputs=init_outputs, rowwise=rowwise)
+                 outputs=outputs, init=init_nodes, init_outputs=init_outputs, rowwise=rowwise_modules(model))
 
 
 def _stage_hints(graph: torch.fx.Graph, nodes: list[Node], config: ParallelConfig) -> list[Node]:
@@ -197,24 +196,6 @@ def _refuse_input_mutation(nodes, inputs: list[GraphInput]) -> None:
                              location=str(n.loc) if n.loc else None, hint=hint)
         if i is not None and shares_storage(n.op):
             view_of.update((o, i) for o in n.outputs)
-
-
-class BufferWritesOverMicrobatches(ModelError):
-    """The forward updates buffers and the mesh has micro-batches: the driver retries with one
-    micro-batch a step where the count was only the default."""
-
-
-def _refuse_microbatched_writes(writes: dict[str, str], nodes: list[Node], mesh: Mesh) -> None:
-    """Each micro-batch's forward would update the buffer in turn, a dependency from one
-    micro-batch's forward to the next that the schedule does not model (docs/training.md)."""
-    if not writes or mesh.microbatches == 1:
-        return
-    name, value = next(iter(writes.items()))
-    loc = next((n.loc for n in nodes if value in n.outputs), None)
-    raise BufferWritesOverMicrobatches(f"forward() updates buffer {name!r} (e.g. BatchNorm running statistics), which is not supported "
-                     f"with {mesh.microbatches} micro-batches yet", location=str(loc) if loc else None,
-                     hint="compile with --microbatches 1 (a pipeline then runs one micro-batch a step), "
-                          "or call .eval() on that module in build_model")
 
 
 def _canonical_order(inputs: list[GraphInput], outputs: list[GraphOutput]):
