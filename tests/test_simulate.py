@@ -62,6 +62,12 @@ def test_op_work_counts_gemm_flops_and_attention():
     (k,) = op_work("aten.mm.default", [a, b], [Operand((64, 32), 2)])
     assert (k.flops, k.klass) == (2 * 64 * 128 * 32, OpClass.GEMM)
     assert op_work("aten.view.default", [a], [a]) == []
+    rows, experts, ends = Operand((96, 128), 4), Operand((4, 128, 32), 4), Operand((4,), 4)
+    (g,) = op_work("transformers.grouped_mm_fallback.default", [rows, experts, ends], [Operand((96, 32), 4)])
+    assert (g.flops, g.klass) == (2 * 96 * 128 * 32, OpClass.GEMM)  # each row against its own expert only
+    (gb,) = op_work("transformers.grouped_mm_fallback_backward.default", [rows, experts, ends, Operand((96, 32), 4)],
+                    [rows, experts])
+    assert gb.flops == 2 * g.flops
     q = Operand((2, 4, 256, 64), 2)
     full = op_work("sbpc.attention", [q, q, q], [q], causal=False)[0].flops
     assert full == 2 * (2 * 2 * 4 * 256 * 256 * 64)

@@ -347,3 +347,23 @@ def test_tensorboard_without_its_package_is_a_usage_error(tmp_path, monkeypatch)
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
     with pytest.raises(UsageError, match="--tensorboard needs the tensorboard package"):
         check_log_options(LogOptions(tensorboard=str(tmp_path / "tb")))
+
+
+def test_model_flops_count_a_mixture_of_experts_active_experts():
+    """Mixtral (tests/zoo/mixtral.py): its projections, router, attention and head, and the
+    experts' grouped products over the token-expert pairs (each token meets its top-k experts
+    only), the forward three times."""
+    from sbpc.compiler.driver import compile_model
+    from sbpc.compiler.frontend.model_loader import load_model
+    from sbpc.compiler.frontend.optim import OptimizerConfig
+    from sbpc.compiler.ir.mesh import parse_mesh
+    from sbpc.runtime.flops import step_flops
+
+    batch = 4
+    plan = compile_model(load_model("tests/zoo/mixtral.py", {}), parse_mesh("1"), batch_size=batch,
+                         optimizer=OptimizerConfig()).plan
+    tokens, hidden, kv, experts, vocab, ffn, top_k, seq, heads, head_dim = batch * 16, 64, 32, 4, 256, 128, 2, 16, 4, 16
+    pairs = tokens * top_k
+    layer = 2 * tokens * hidden * (2 * hidden + 2 * kv + experts) + 4 * batch * heads * seq * seq * head_dim \
+        + 2 * pairs * hidden * 2 * ffn + 2 * pairs * ffn * hidden
+    assert step_flops(plan) == 3 * (2 * layer + 2 * tokens * hidden * vocab)

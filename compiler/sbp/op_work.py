@@ -64,6 +64,9 @@ VIEWS = frozenset(f"aten.{n}" for n in (
 GEMMS = frozenset(f"aten.{n}" for n in ("mm.default", "addmm.default", "bmm.default", "baddbmm.default",
                                         "linear.default", "matmul.default", "convolution.default",
                                         "convolution_backward.default"))
+# a mixture of experts' grouped products (rows [S, K] each against its expert's [K, N]) and the
+# backward of Hugging Face's CPU fallback (both gradients)
+GROUPED = frozenset({"transformers.grouped_mm_fallback.default", "transformers.grouped_mm_fallback_backward.default"})
 ATTENTION = frozenset({"sbpc.attention", "sbpc.attention_backward"})
 
 
@@ -80,6 +83,9 @@ def op_work(op: str, ins: Sequence[Operand], outs: Sequence[Operand], *, causal:
     traffic = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
     if op in GEMMS:
         return [Kernel(_gemm_flops(op, ins, outs), traffic, OpClass.GEMM, sum(t.nbytes for t in outs))]
+    if op in GROUPED:  # (rows, weights, group ends[, grad]): 2 S K N, twice that for the backward's two gradients
+        flops = 2.0 * ins[0].numel * ins[1].shape[-1] * (2 if op.endswith("_backward.default") else 1)
+        return [Kernel(flops, traffic, OpClass.GEMM, sum(t.nbytes for t in outs))]
     if op in ATTENTION:
         return _attention(op == "sbpc.attention_backward", ins, outs, causal, dropout > 0, attention)
     if op == "aten.embedding.default":  # reads the rows it gathers, not the whole table
