@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from sbpc.compiler.frontend.hint_op import OP as HINT_OP
 from sbpc.compiler.ir.mesh import MICROBATCH, POSITIONAL_AXES
-from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType
+from sbpc.compiler.ir.types import Graph, InputKind, Node, Ref, Role, TensorType, users
 from sbpc.compiler.sbp.rules import Signature
 from sbpc.runtime.sbp import Broadcast, Partial, Split, local_shape
 
@@ -134,19 +134,14 @@ def find_regions(graph: Graph, types: dict[str, TensorType]) -> Regions:
     # what does not depend on the batch (parameters, and what is made of them alone: ZeRO-3's
     # gathered weights, autocast's casts) is the same on every device: never rows
     batchy = {i.value for i in graph.inputs if i.kind == InputKind.BATCH}
-    consumers: dict[str, set[int]] = {}
     modules, owner = frozenset(graph.rowwise), {}
     for i, n in enumerate(graph.nodes):
-        uses = n.uses()
-        for u in uses:
-            consumers.setdefault(u, set()).add(i)
-        if any(u in batchy for u in uses):
+        if any(u in batchy for u in n.uses()):
             batchy.update(n.outputs)
         m = region_of(n, modules)
         if m is not None:
             owner[i] = m
-    whole_inputs = {v for v in types if v not in batchy}
-    read_out = {o.value for o in graph.outputs}
+    consumers, read_out = users(graph.nodes), {o.value for o in graph.outputs}
     _absorb(graph.nodes, owner, consumers, read_out)
     members_of: dict[str, list[int]] = {}
     for i, m in sorted(owner.items()):
@@ -156,7 +151,7 @@ def find_regions(graph: Graph, types: dict[str, TensorType]) -> Regions:
         members = members_of.get(module)
         if not members:
             continue
-        found = _analyse(graph, module, members, types, whole_inputs, consumers, read_out)
+        found = _analyse(graph, module, members, types, batchy, consumers, read_out)
         if isinstance(found, str):
             refused.append((module, found))
             continue
@@ -167,10 +162,11 @@ def find_regions(graph: Graph, types: dict[str, TensorType]) -> Regions:
     return Regions(tuple(regions), kinds, of_node, tuple(refused))
 
 
-def _absorb(nodes: list[Node], owner: dict[int, str], consumers: dict[str, set[int]], read_out: set[str]) -> None:
+def _absorb(nodes: list[Node], owner: dict[int, str], consumers: dict[str, list[int]], read_out: set[str]) -> None:
     """Adds to ``owner`` the ops between a region's ops that carry no module of it: the
     backward's sums of a value's gradients (autograd accumulates where a region value is read
-    twice, at the loss's line), whose inputs and readers are all one region's."""
+    twice, at the loss's line), whose inputs and readers are all one region's. They carry no
+    module, so localize gives them their rules' local form, which for a sum is the same op."""
     made = {o: owner[i] for i in owner for o in nodes[i].outputs}
     grew = True
     while grew:  # a chain of such ops joins one op a round
@@ -190,13 +186,14 @@ def _absorb(nodes: list[Node], owner: dict[int, str], consumers: dict[str, set[i
                 grew = True
 
 
-def _analyse(graph: Graph, module: str, members: list[int], types: dict[str, TensorType], whole_inputs: set[str],
-             consumers: dict[str, set[int]], read_out: set[str]) -> tuple[Region, dict[str, Kind]] | str:
-    """The region of ``module``'s ops and the kind of each of its values, or why it cannot be one."""
+def _analyse(graph: Graph, module: str, members: list[int], types: dict[str, TensorType], batchy: set[str],
+             consumers: dict[str, list[int]], read_out: set[str]) -> tuple[Region, dict[str, Kind]] | str:
+    """The region of ``module``'s ops and the kind of each of its values, or why it cannot be one.
+    ``batchy``: the values that depend on the batch (the others are whole on every device)."""
     nodes, inside = graph.nodes, set(members)
     made = {o for i in members for o in nodes[i].outputs}
     edges = list(dict.fromkeys(u for i in members for u in nodes[i].uses() if u not in made))
-    row_edges = [u for u in edges if u not in whole_inputs]
+    row_edges = [u for u in edges if u in batchy]
     counts = {types[u].shape[0] if types[u].shape else None for u in row_edges}
     if len(counts) != 1 or None in counts:
         return f"its inputs do not share one row count ({sorted(map(str, counts))})"
@@ -208,9 +205,9 @@ def _analyse(graph: Graph, module: str, members: list[int], types: dict[str, Ten
     row_sizes = {rows * f for f in factors}
     # a tensor of the experts' shape whose dim 0 could be read as rows: refused, not guessed at
     for u in edges:
-        if u in whole_inputs and types[u].shape and types[u].shape[0] in row_sizes:
+        if u not in batchy and types[u].shape and types[u].shape[0] in row_sizes:
             return f"%{u}'s dim 0 ({types[u].shape[0]}) equals a row count"
-    kind = {u: Kind.ROW for u in row_edges} | {u: Kind.WHOLE for u in edges if u in whole_inputs}
+    kind = {u: Kind.ROW if u in batchy else Kind.WHOLE for u in edges}
     for i in members:
         n = nodes[i]
         why = _unlocalizable(n, row_sizes)
