@@ -62,6 +62,9 @@ class Layouts:
         self.types = self._memo["types"]
         if "rowwise" not in self._memo:
             self._memo["rowwise"] = find_regions(graph, self.types)
+        # row-wise regions (sbp/rowwise.py): their ops take the region's signature, not their rules
+        self.regions: Regions = self._memo["rowwise"]
+        self._region_axes = {r.module: self.regions.axes(r, graph.mesh.sbp_axes, sizes) for r in self.regions.regions}
         if "names" not in self._memo:  # per node: its uses, then its outputs (a signature's positions)
             self._memo["names"] = [n.uses() + tuple(n.outputs) for n in graph.nodes]
         self._names: list[tuple[str, ...]] = self._memo["names"]
@@ -80,10 +83,6 @@ class Layouts:
             self._memo[key] = self._strides()
         self._split_at, self._counts = self._memo[key]
         self._node_counts: dict[int, tuple] = {}  # _block_counts, once asked
-        # row-wise regions (sbp/rowwise.py): their ops take the region's signature, not their rules
-        self.regions: Regions = self._memo["rowwise"]
-        axis_names = graph.mesh.sbp_axes
-        self._region_axes = {r.module: self.regions.axes(r, axis_names, sizes) for r in self.regions.regions}
         # the micro-batch axis: an optimizer op runs once a step, so there it sees every value
         # whole (a gradient accumulated over the micro-batches), never one micro-batch's part
         self.sequential = frozenset(a for a, name in enumerate(graph.mesh.sbp_axes) if name == MICROBATCH)
@@ -93,10 +92,9 @@ class Layouts:
         representative's list (same op, literals, aliasing and types: the same signatures)."""
         nodes, types = self.graph.nodes, self.types
         out: list = [None] * len(nodes)
-        regions = self._memo["rowwise"].of_node
         for i, n in enumerate(nodes):
-            if i in regions:  # its signatures are its region's (candidates); none of its rule's
-                out[i] = [self._memo["rowwise"].signature(n, split=False)]
+            if i in self.regions.of_node:  # its signatures are its region's (candidates); none of its rule's
+                out[i] = [self.regions.signature(n, split=False)]
             elif rep is None or rep[i] == i:
                 out[i] = self._node_signatures(n, [types[u] for u in n.uses()], k)
         if rep is not None:
