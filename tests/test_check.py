@@ -350,3 +350,22 @@ def test_check_detects_a_stale_tied_weight_on_another_stage():
     assert not report.passed and report.table().splitlines()[-1].endswith("FAIL")
     assert report.worst[1] == f"step 0, update {replica.name} across ranks", report.table()
     assert report.rows[1].grads.value <= TOL  # the step itself was right
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((16, 8), (4, 8, 4)), ((8, 16), (16, 4)), ((4, 4, 8), (8, 16))])
+def test_the_float64_grouped_matmul_is_torchs_by_its_definition(a_shape, b_shape):
+    """``torch._grouped_mm`` has no float64 CPU kernel; the check's float64 reference computes it
+    per group (compiler/tools/float64_kernels.py): the rows of a 2-D left operand grouped, the
+    inner dim of two 2-D operands, or the columns of a 2-D right operand. Equal to torch's in
+    float32, and in float64 under the mode, where torch alone raises."""
+    from sbpc.compiler.tools.float64_kernels import Float64Kernels, _grouped_mm
+
+    torch.manual_seed(0)
+    ends = torch.tensor([4, 4, 12, 16], dtype=torch.int32)  # an empty group included
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    assert torch.equal(_grouped_mm(a, b, ends), torch._grouped_mm(a, b, offs=ends))
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(a.double(), b.double(), offs=ends)
+    with Float64Kernels():
+        wide = torch._grouped_mm(a.double(), b.double(), offs=ends)
+    assert wide.dtype == torch.float64 and torch.allclose(wide.float(), _grouped_mm(a, b, ends), atol=1e-5)
